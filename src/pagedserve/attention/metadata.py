@@ -1,0 +1,90 @@
+"""AttentionMetadata: everything attention needs for one step, built once and shared by all
+layers (passed explicitly through ``forward``; no global context).
+
+Token order in a step: first the requests whose query is one token long (decodes), then the
+others (prefill chunks), each request's tokens contiguous. Each group is attended as a padded
+batch: block tables padded to the group's longest, queries padded to its longest chunk; the
+boolean mask (True = attend) hides padding and enforces causality, so no padded key is ever
+read into a result. Query heads are folded into rows per KV head (GQA/MQA: ``G =
+num_heads // num_kv_heads`` query rows share one K/V head) so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """A padded batch of ``num_seqs`` requests attended together.
+
+    Shapes: ``block_ids`` [num_seqs * max_blocks] int64 (each row's block table, padded with
+    block 0); ``mask`` [num_seqs, 1, G * max_query_len, max_blocks * block_size] bool (for a
+    decode group [num_seqs, 1, 1, ...], broadcast over the G rows); ``query_index``
+    [num_seqs, max_query_len] int64 into the group's tokens and ``output_index``
+    [num_tokens] int64 into the padded ``num_seqs * max_query_len`` rows, both None when every
+    query is one token long.
+    """
+
+    num_seqs: int
+    max_blocks: int
+    max_query_len: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+    query_index: torch.Tensor | None
+    output_index: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Shapes: ``slot_mapping`` [num_tokens] int64, the cache row each new token's K/V go to.
+    ``k_workspace``/``v_workspace`` [rows, block_size, num_kv_heads, head_dim]: reusable buffers
+    the K/V of a group are gathered into (allocated once, reused by every layer and step)."""
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+    k_workspace: torch.Tensor
+    v_workspace: torch.Tensor
+
+
+def _pad_block_ids(block_tables: list[list[int]]) -> tuple[int, list[int]]:
+    max_blocks = max(len(t) for t in block_tables)
+    flat: list[int] = []
+    for t in block_tables:
+        flat.extend(t)
+        flat.extend([0] * (max_blocks - len(t)))
+    return max_blocks, flat
+
+
+def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                block_size: int, num_queries_per_kv: int, device: torch.device) -> AttentionGroup:
+    """Metadata of one padded group. ``seq_lens[i]`` counts request i's tokens including the
+    ``query_lens[i]`` new ones; its queries sit at positions ``seq_lens[i] - query_lens[i] ...``.
+    """
+    num_seqs = len(query_lens)
+    max_blocks, flat = _pad_block_ids(block_tables)
+    max_len = max_blocks * block_size
+    block_ids = torch.tensor(flat, dtype=torch.int64, device=device)
+    key_pos = torch.arange(max_len, device=device)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    max_query_len = max(query_lens)
+    if max_query_len == 1:
+        mask = (key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
+        return AttentionGroup(num_seqs, max_blocks, 1, block_ids, mask, None, None)
+    query_lens_t = torch.tensor(query_lens, dtype=torch.int64, device=device)
+    j = torch.arange(max_query_len, device=device)
+    valid = j[None, :] < query_lens_t[:, None]  # [num_seqs, max_query_len]
+    # Padded query rows sit at position 0: they attend key 0 only (never an empty row).
+    q_pos = torch.where(valid, (seq_lens_t - query_lens_t)[:, None] + j[None, :], 0)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # causal over cached + new keys
+    mask = mask[:, None].expand(-1, num_queries_per_kv, -1, -1)
+    mask = mask.reshape(num_seqs, 1, num_queries_per_kv * max_query_len, max_len)
+    starts = torch.cumsum(query_lens_t, 0) - query_lens_t
+    query_index = torch.where(valid, starts[:, None] + j[None, :], 0)
+    output_index = (torch.arange(num_seqs, device=device)[:, None] * max_query_len + j)[valid]
+    return AttentionGroup(num_seqs, max_blocks, max_query_len, block_ids, mask,
+                          query_index, output_index)

@@ -1,0 +1,1 @@
+"""Scheduling core: the block pool, per-request block tables and the scheduler."""

@@ -1,0 +1,59 @@
+"""The KV cache tensors: one K and one V tensor per layer, each block-major.
+
+Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM's, token-major
+inside a block), so that viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]`` a
+token's slot is a row index: writes go through ``slot_mapping`` with one ``index_copy_``, and a
+block table gathers whole blocks whose rows are already in position order. All layers live in
+one allocation ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. It is zeroed
+at start-up so that never-written slots hold finite values (masked scores times zero values).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from pagedserve.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# CPU default: this share of the memory still available after the weights are loaded.
+CPU_KV_CACHE_MEMORY_FRACTION = 0.25
+# CUDA default: this share of the free device memory after the weights are loaded (the rest is
+# left for activations, the sampler and other processes).
+CUDA_KV_CACHE_MEMORY_FRACTION = 0.80
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """Bytes for the KV cache when ``kv_cache_memory`` is not given (see the fractions above)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_CACHE_MEMORY_FRACTION)
+    return int(psutil.virtual_memory().available * CPU_KV_CACHE_MEMORY_FRACTION)
+
+
+def num_blocks_for_memory(kv_cache_memory: int, model: ModelConfig, block_size: int,
+                          dtype: torch.dtype) -> int:
+    """How many blocks fit in ``kv_cache_memory`` bytes."""
+    return kv_cache_memory // (model.kv_bytes_per_token(dtype) * block_size)
+
+
+class KVCache:
+    """Owns the K/V tensors. ``layers[i]`` is ``(k_cache, v_cache)`` of layer i, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype`` on ``device``."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv = torch.zeros(
+            model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
+            model.head_dim, dtype=dtype, device=device,
+        )
+        self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(model.num_hidden_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

@@ -1,0 +1,54 @@
+"""Model loading: a GGUF file, an HF directory, or the default SmolLM2-135M-Instruct.
+
+Every loader yields a ModelConfig and (name, tensor) pairs under transformers' tensor names, so
+the model has one weight-loading path. Errors name the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.config import ModelConfig
+
+
+class ModelLoadError(ValueError):
+    """A model file or directory exists but cannot be used (unsupported, malformed, truncated)."""
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: its config, a weight iterator and a tokenizer loader."""
+
+    path: Path
+    config: ModelConfig
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    tokenizer: Callable[[], Any]
+
+
+def open_model(model: str | Path | None) -> ModelSource:
+    """Resolve ``model`` (None = the default model) to a ModelSource.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ModelLoadError: the file or directory is not a supported model.
+    """
+    from pagedserve.loader import gguf, hf
+    from pagedserve.loader.default_model import default_model_path
+
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        return hf.open_hf_dir(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return gguf.open_gguf(path)
+    raise ModelLoadError(
+        f"{path}: not a GGUF file (magic {magic!r}) and not a directory with config.json"
+    )

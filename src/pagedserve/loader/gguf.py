@@ -1,0 +1,179 @@
+"""GGUF files of the llama architecture: metadata -> ModelConfig, tensors -> dequantized weights.
+
+Tensors are dequantized to float32 with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q4_K, Q6_K and every other type it knows). llama.cpp's converter permutes the rows of
+attn_q/attn_k for its interleaved rotary layout; they are permuted back to transformers'
+rotate-half layout here. The tokenizer comes from the GGUF vocabulary through transformers and
+is cached as tokenizer.json (building it takes seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.config import ModelConfig
+from pagedserve.loader import ModelLoadError, ModelSource
+
+logger = logging.getLogger(__name__)
+
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/IndexError/... on bad or short files
+        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_gguf_config(reader, path: Path) -> ModelConfig:
+    """ModelConfig from GGUF metadata. Raises ModelLoadError for another architecture."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"llama.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = _field(reader, "llama.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None
+    if vocab is None:
+        raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
+    rope_scaling = None
+    scaling_type = _field(reader, "llama.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling_type!r}")
+    if "rope_freqs.weight" in tensor_names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        rope_scaling = {"rope_type": "freq_factors",
+                        "factors": [float(x) for x in np.asarray(t.data, dtype=np.float32)]}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=rope_scaling,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half halves)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader, config: ModelConfig, path: Path
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors under transformers names. Raises ModelLoadError naming the
+    tensor that cannot be dequantized."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        m = _BLK_RE.fullmatch(t.name)
+        kind = None
+        if m:
+            i, kind, suffix = m.groups()
+            if kind not in _LAYER_NAMES:
+                raise ModelLoadError(f"{path}: unexpected tensor {t.name!r}")
+            name = f"model.layers.{i}.{_LAYER_NAMES[kind]}.{suffix}"
+        elif t.name in _NAMES:
+            name = _NAMES[t.name]
+        else:
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name!r}")
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantize {t.name} "
+                                 f"({t.tensor_type.name}): {e}") from e
+        if kind == "attn_q":
+            w = _unpermute(w, config.num_attention_heads)
+        elif kind == "attn_k":
+            w = _unpermute(w, config.num_key_value_heads)
+        w = np.asarray(w, dtype=np.float32)
+        if not (w.flags.writeable and w.flags.c_contiguous):  # memory-mapped F32 tensors
+            w = w.copy()
+        yield name, torch.from_numpy(w)
+
+
+def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
+    """The GGUF's embedded tokenizer via transformers, cached as tokenizer.json under
+    ``cache_dir/tokenizers/<key>`` where key depends on the file's path, size and mtime."""
+    from pagedserve.tokenizer import load_tokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    cached = cache_dir / "tokenizers" / key[:16]
+    if (cached / "tokenizer_config.json").is_file():
+        return load_tokenizer(cached)
+    logger.info("building the tokenizer from %s (once; cached in %s)", path, cached)
+    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(str(cached))
+    except OSError as e:
+        logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+    return tokenizer
+
+
+def open_gguf(path: Path) -> ModelSource:
+    from pagedserve.loader.default_model import cache_dir
+
+    reader = _reader(path)
+    config = read_gguf_config(reader, path)
+    return ModelSource(path, config, lambda: iter_gguf_weights(reader, config, path),
+                       lambda: load_gguf_tokenizer(path, cache_dir()))

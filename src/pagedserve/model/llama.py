@@ -1,0 +1,132 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Input is a flat batch: ``input_ids`` and ``positions`` [num_tokens] of all scheduled requests,
+with their attention described by one AttentionMetadata. Weights are loaded from transformers'
+tensor names (``model.layers.N.self_attn.q_proj.weight`` ...), whatever the file format.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.config import ModelConfig
+from pagedserve.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions, x, rotary, kv_cache, md):
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head (tied to the embedding when the config says so).
+
+    ``rotary`` is set by the owner once max_model_len is known (its cos/sin table covers it).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary: RotaryEmbedding | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata
+                ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, self.rotary, kv_cache, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy checkpoint tensors (transformers names) into the fused parameters.
+
+        Raises ValueError naming ``source`` and the tensor when a shape is wrong, a name is
+        unknown, or a parameter is left without weights.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = _map_name(name, self.config)
+            if target is None:
+                continue
+            pname, offset = target
+            if pname not in params:
+                raise ValueError(f"{source}: unexpected tensor {name!r}")
+            param = params[pname]
+            size = tensor.shape[0]
+            dst = param.data if offset is None else param.data.narrow(0, offset, size)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in _expected_names(self.config) if n not in loaded]
+        if missing:
+            raise ValueError(f"{source}: missing tensors {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _map_name(name: str, c: ModelConfig) -> tuple[str, int | None] | None:
+    """transformers tensor name -> (our parameter name, row offset into a fused tensor)."""
+    if name in ("model.embed_tokens.weight", "model.norm.weight"):
+        return name.removeprefix("model."), None
+    if name == "lm_head.weight":
+        return None if c.tie_word_embeddings else ("lm_head.weight", None)
+    m = _LAYER_RE.fullmatch(name)
+    if m is None:
+        return None  # e.g. rotary_emb.inv_freq in old checkpoints
+    i, rest = m.groups()
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", c.intermediate_size),
+    }
+    module, _, kind = rest.rpartition(".")
+    if module in fused:
+        target, offset = fused[module]
+        return f"layers.{i}.{target}.{kind}", offset
+    return f"layers.{i}.{rest}", None
+
+
+def _expected_names(c: ModelConfig) -> list[str]:
+    """The transformers tensor names a checkpoint of this config must provide."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not c.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer = [f"self_attn.{x}_proj.weight" for x in "qkvo"]
+    per_layer += [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if c.qkv_bias:
+        per_layer += [f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return [f"model.layers.{i}.{n}" for i in range(c.num_hidden_layers) for n in per_layer] + names

@@ -1,0 +1,84 @@
+"""What the engine returns, with vLLM's names: RequestOutput holding CompletionOutputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """Log probability (natural log, from the raw model logits) of one token, its rank among
+    all tokens (1 = most likely) and its decoded text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob, holding the sampled token and the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (seconds, ``time.time()``) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. ``finish_reason`` is "stop", "length", "abort" or None while
+    running; ``stop_reason`` is the stop string or stop token id that ended it, if any."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step (streaming) or at its end (offline)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class KVCacheStats:
+    """A snapshot of the paged KV cache.
+
+    ``kv_token_utilization`` is measured at the step with the most blocks in use: slots holding
+    real K/V state divided by the slots of all allocated blocks (1.0 means no waste inside blocks).
+    """
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_used_blocks: int
+    peak_used_blocks: int
+    num_preemptions: int
+    kv_token_utilization: float
+    kv_bytes_per_token: int = 0

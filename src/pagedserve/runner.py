@@ -1,0 +1,95 @@
+"""ModelRunner: one scheduled batch -> input tensors and AttentionMetadata -> forward -> sampled
+tokens.
+
+Tokens of a step are laid out decodes first, then prefill chunks (see attention/metadata.py).
+Only the rows of requests whose scheduled chunk reaches their last token are projected to
+logits and sampled; a partial prefill chunk only fills the KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata, build_group
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.kv.cache import KVCache
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from pagedserve.sequence import Request
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 seed: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        cfg = model.config
+        self.num_queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.vocab_size = cfg.vocab_size
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._k_workspace = self._v_workspace = torch.empty(0)
+
+    def _workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather buffers with at least ``rows`` blocks; grown, never shrunk, so the pages are
+        touched once instead of every layer."""
+        if self._k_workspace.shape[0] < rows:
+            shape = (max(rows, int(self._k_workspace.shape[0] * 1.5)),
+                     *self.kv_cache.kv.shape[3:])
+            self._k_workspace = torch.empty(shape, dtype=self.kv_cache.kv.dtype, device=self.device)
+            self._v_workspace = torch.empty_like(self._k_workspace)
+        return self._k_workspace, self._v_workspace
+
+    def _group(self, items: list[tuple[Request, int]]):
+        if not items:
+            return None
+        return build_group(
+            [n for _, n in items],
+            [r.num_computed_tokens + n for r, n in items],
+            [r.block_table for r, _ in items],
+            self.block_size, self.num_queries_per_kv, self.device,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one step. Returns the requests that sampled a token and the sampler's output
+        (rows in the same order). Does not change any request."""
+        decodes = [(r, n) for r, n in sched.scheduled if n == 1]
+        prefills = [(r, n) for r, n in sched.scheduled if n > 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for r, n in decodes + prefills:
+            start = r.num_computed_tokens
+            input_ids.extend(r.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = r.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == r.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(r)
+        decode, prefill = self._group(decodes), self._group(prefills)
+        rows = max(g.num_seqs * g.max_blocks for g in (decode, prefill) if g is not None)
+        k_ws, v_ws = self._workspace(rows)
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            num_decode_tokens=len(decodes),
+            decode=decode, prefill=prefill, k_workspace=k_ws, v_workspace=v_ws,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.kv_cache.layers, md,
+        )
+        if not sample_reqs:
+            return [], None
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)])
+        smd = build_sampling_metadata(sample_reqs, self.vocab_size, self.device)
+        return sample_reqs, self.sampler(logits, smd, self.generator)

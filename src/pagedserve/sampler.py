@@ -1,0 +1,174 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+One call handles every request that samples this step, greedy and random mixed. Random draws
+use the exponential race (argmax of p_i / q_i with q_i ~ Exp(1) samples i with probability
+proportional to p_i; no normalisation needed after filtering). A seeded request draws its q from
+its own torch.Generator, so its tokens do not depend on its batch-mates or batch position;
+unseeded requests share the engine's generator (seeded by ``LLM(seed=...)``).
+Logprobs are taken from the raw model logits (before penalties and temperature), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.sequence import Request
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of one step, for ``B`` rows.
+
+    Shapes: ``temperature`` [B] float32 (1.0 on greedy rows); ``greedy`` [B] bool; ``top_k``
+    [B] int64 (vocab size where disabled) or None; ``top_p``/``min_p`` [B] float32 or None;
+    penalty tensors [B] float32 or None, with ``output_counts`` [B, V] float32 and
+    ``prompt_mask`` [B, V] bool; ``banned``: (row, token ids) masked to -inf (min_tokens).
+    """
+
+    temperature: torch.Tensor
+    greedy: torch.Tensor
+    all_greedy: bool
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None
+    prompt_mask: torch.Tensor | None
+    banned: list[tuple[int, list[int]]]
+    max_num_logprobs: int | None
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids`` [B] sampled tokens; with logprobs requested: ``sampled_logprobs`` [B],
+    ``sampled_ranks`` [B] (1 = most likely), ``top_ids``/``top_logprobs`` [B][k]."""
+
+    token_ids: list[int]
+    sampled_logprobs: list[float] | None = None
+    sampled_ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def build_sampling_metadata(requests: list[Request], vocab_size: int,
+                            device: torch.device) -> SamplingMetadata:
+    """Tensors for the rows of ``requests`` (one row each, in order)."""
+    params = [r.sampling_params for r in requests]
+    b = len(params)
+    greedy = [p.is_greedy for p in params]
+
+    def tensor(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
+        top_k = tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+    if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
+        top_p = tensor([p.top_p for p in params])
+    if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
+        min_p = tensor([p.min_p for p in params])
+    presence = frequency = repetition = counts = prompt_mask = None
+    if any(p.has_penalties for p in params):
+        presence = tensor([p.presence_penalty for p in params])
+        frequency = tensor([p.frequency_penalty for p in params])
+        repetition = tensor([p.repetition_penalty for p in params])
+        counts = torch.zeros(b, vocab_size, device=device)
+        prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
+        for i, (r, p) in enumerate(zip(requests, params)):
+            if not p.has_penalties:
+                continue
+            out = r.output_token_ids
+            if out:
+                counts[i].index_add_(0, tensor(out, torch.int64), torch.ones(len(out), device=device))
+            prompt_mask[i, tensor(r.prompt_token_ids, torch.int64)] = True
+    banned = []
+    for i, (r, p) in enumerate(zip(requests, params)):
+        if r.num_output_tokens < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            if ids:
+                banned.append((i, ids))
+    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+        greedy=tensor(greedy, torch.bool),
+        all_greedy=all(greedy),
+        top_k=top_k, top_p=top_p, min_p=min_p,
+        generators={i: r.generator for i, r in enumerate(requests)
+                    if r.generator is not None and not greedy[i]},
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+        output_counts=counts, prompt_mask=prompt_mask,
+        banned=banned,
+        max_num_logprobs=max(logprobs) if logprobs else None,
+    )
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019: positive
+    logits divided, negative multiplied), then OpenAI's frequency and presence penalties over
+    output tokens. logits [B, V] float32, modified in place and returned."""
+    seen = md.prompt_mask | (md.output_counts > 0)
+    rep = md.repetition_penalty[:, None].expand_as(logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits -= md.frequency_penalty[:, None] * md.output_counts
+    logits -= md.presence_penalty[:, None] * (md.output_counts > 0).float()
+    return logits
+
+
+def _filter(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Temperature, then top-k and top-p (nucleus, Holtzman et al. 2020) masking to -inf.
+    Returns probabilities [B, V] (unnormalised after min-p masking)."""
+    logits = logits / md.temperature[:, None]
+    if md.top_k is not None or md.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if md.top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)
+            remove |= ranks[None, :] >= md.top_k[:, None]
+        if md.top_p is not None:
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove |= mass_before >= md.top_p[:, None]  # the first token always survives
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    if md.min_p is not None:
+        threshold = md.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+class Sampler:
+    """Picks one token per row from logits [B, V] float32."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
+                 generator: torch.Generator) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if md.banned:
+            logits = logits.clone()
+            for row, ids in md.banned:
+                logits[row, ids] = float("-inf")
+        if md.output_counts is not None:
+            logits = apply_penalties(logits, md)
+        sampled = logits.argmax(dim=-1)
+        if not md.all_greedy:
+            probs = _filter(logits, md)
+            q = torch.empty_like(probs).exponential_(generator=generator)
+            for row, gen in md.generators.items():
+                q[row].exponential_(generator=gen)
+            # q == 0 happens (float rounding); clamping keeps p = 0 rows at 0 instead of NaN.
+            random = probs.div_(q.clamp_min_(1e-10)).argmax(dim=-1)
+            sampled = torch.where(md.greedy, sampled, random)
+        out = SamplerOutput(token_ids=sampled.tolist())
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, sampled[:, None])
+            out.sampled_logprobs = chosen[:, 0].tolist()
+            out.sampled_ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+            if md.max_num_logprobs > 0:
+                top = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+                out.top_ids, out.top_logprobs = top.indices.tolist(), top.values.tolist()
+        return out

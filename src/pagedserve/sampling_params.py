@@ -1,0 +1,131 @@
+"""vLLM-compatible ``SamplingParams``, validated on construction.
+
+Every field keeps vLLM's name and meaning; invalid values raise ValueError at construction, so a
+bad request is refused before it reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (argmax), as in vLLM.
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names): everything so far, only
+    what is new since the last output, or nothing until the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each new token and when to stop.
+
+    Args:
+        n: sequences per request. Only 1 is supported for now.
+        temperature: >= 0; 0 means greedy.
+        top_p: nucleus mass in (0, 1]. top_k: 0 or -1 disables, else >= 1. min_p: in [0, 1].
+        presence_penalty, frequency_penalty: in [-2, 2], OpenAI semantics, over generated tokens.
+        repetition_penalty: > 0, CTRL/HF semantics (Keskar et al. 2019), over prompt + output.
+        seed: per-request seed; a seeded request's tokens do not depend on its batch-mates.
+        stop: strings that end generation (left out of the text unless
+            include_stop_str_in_output). stop_token_ids: token ids that end generation.
+        ignore_eos: keep generating past EOS. max_tokens: None means up to max_model_len.
+        min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
+        logprobs: return the sampled token's logprob plus this many top alternatives (0..20).
+        output_kind: CUMULATIVE, DELTA (streaming) or FINAL_ONLY outputs from ``LLMEngine.step``.
+    Raises:
+        ValueError: for any value out of range, with the field name and value.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = (self.stop,)
+        elif self.stop is None:
+            self.stop_strings = ()
+        else:
+            self.stop_strings = tuple(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail(f"n must be a positive integer, got {self.n!r}")
+        if self.n > 1:
+            fail(f"n > 1 is not supported yet, got n={self.n}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                fail(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            fail(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or (self.top_k < -1):
+            fail(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                fail(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail(f"seed must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            fail(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -1,0 +1,96 @@
+"""Paged attention against dense causal SDPA (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.metadata import AttentionMetadata, build_group
+from pagedserve.attention.paged import paged_attention
+
+
+def dense_reference(q, k, v, scale):
+    """q [n, H, D] are the last n positions of k/v [ctx, Hkv, D]; causal; K/V repeated."""
+    n, h, _ = q.shape
+    ctx, hkv, _ = k.shape
+    k = k.repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+    qpos = torch.arange(ctx - n, ctx)[:, None]
+    mask = torch.arange(ctx)[None, :] <= qpos
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
+                                          scale=scale).transpose(0, 1)
+
+
+def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0):
+    """seqs: list of (context_len_including_new, num_new_tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
+    scale = head_dim ** -0.5
+    # decodes first, then prefills, as the runner lays them out
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i][1] > 1)
+    tables, full_k, full_v, qs, slots = {}, {}, {}, {}, {}
+    for i in order:
+        ctx, n = seqs[i]
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        tables[i] = table
+        full_k[i] = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        full_v[i] = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        qs[i] = torch.randn(n, num_heads, head_dim, generator=g)
+        for p in range(ctx - n):  # the cached context
+            k_cache[table[p // block_size], p % block_size] = full_k[i][p]
+            v_cache[table[p // block_size], p % block_size] = full_v[i][p]
+        slots[i] = [table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)]
+    dec = [i for i in order if seqs[i][1] == 1]
+    pre = [i for i in order if seqs[i][1] > 1]
+    n_q = num_heads // num_kv_heads
+
+    def group(ids):
+        if not ids:
+            return None
+        return build_group([seqs[i][1] for i in ids], [seqs[i][0] for i in ids],
+                           [tables[i] for i in ids], block_size, n_q, torch.device("cpu"))
+
+    rows = sum(len(t) for t in tables.values()) * 2
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor([s for i in order for s in slots[i]]),
+        num_decode_tokens=len(dec), decode=group(dec), prefill=group(pre),
+        k_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim),
+        v_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim),
+    )
+    q = torch.cat([qs[i] for i in order])
+    k_new = torch.cat([full_k[i][seqs[i][0] - seqs[i][1]:] for i in order])
+    v_new = torch.cat([full_v[i][seqs[i][0] - seqs[i][1]:] for i in order])
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, md, scale)
+    ref = torch.cat([dense_reference(qs[i], full_k[i], full_v[i], scale) for i in order])
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the new tokens' K/V went to their slots
+    for i in order:
+        ctx, n = seqs[i]
+        for p in range(ctx - n, ctx):
+            b, off = tables[i][p // block_size], p % block_size
+            assert torch.equal(k_cache[b, off], full_k[i][p])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 1)], ids=["mha", "gqa2", "gqa3", "mqa"])
+def test_mixed_prefill_and_decode(block_size, heads):
+    # decodes with contexts that fill / do not fill the last block, a fresh prefill, a prefill
+    # chunk over cached context, a one-token prompt
+    seqs = [(1, 1), (block_size, 1), (block_size + 1, 1), (37, 1), (23, 23), (50, 9), (16, 16)]
+    run_case(block_size, *heads, seqs)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_only_and_prefill_only(block_size):
+    run_case(block_size, 4, 2, [(5, 1), (40, 1), (17, 1)])
+    run_case(block_size, 4, 2, [(33, 33), (64, 32), (2, 2)], seed=1)
+
+
+def test_single_long_sequence():
+    run_case(16, 9, 3, [(300, 300)], head_dim=64)
+    run_case(16, 9, 3, [(300, 1)], head_dim=64)
