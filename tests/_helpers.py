@@ -7,7 +7,6 @@ import warnings
 import numpy as np
 import torch
 
-
 TINY_VOCAB = 320
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paging splits the KV cache into blocks.",
@@ -105,7 +104,7 @@ def assert_greedy_match(ours: list[int], ref: list[int], prompt: list[int], ref_
                 f"{label}: token {i} differs (ours {a}, reference {b}) and the reference "
                 f"prefers its token by {gap:.3g}, not a near-tie\nours {ours}\nref  {ref}")
             warnings.warn(f"{label}: near-tie at token {i} (logit gap {gap:.2g} < 1e-4); "
-                          "accepted, rest not compared")
+                          "accepted, rest not compared", stacklevel=2)
             return False
     assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs {len(ref)}"
     return True

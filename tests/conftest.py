@@ -14,8 +14,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
 from _helpers import save_tiny_model  # noqa: E402
 
 from pagedserve import engine as engine_mod  # noqa: E402

@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import replace
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch

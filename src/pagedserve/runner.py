@@ -1,8 +1,8 @@
 """ModelRunner: one scheduled batch -> input tensors and AttentionMetadata -> forward -> sampled
 tokens.
 
-Tokens of a step are laid out decodes first, then prefill chunks (see attention/metadata.py).
-Only the rows of requests whose scheduled chunk reaches their last token are projected to
+Tokens of a step are laid out decodes first, sorted by context length and cut into groups of
+similar length, then the prefill chunks (see attention/metadata.py). Only the rows of requests whose scheduled chunk reaches their last token are projected to
 logits and sampled; a partial prefill chunk only fills the KV cache.
 """
 
@@ -16,6 +16,28 @@ from pagedserve.kv.cache import KVCache
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from pagedserve.sequence import Request
+
+# A decode group closes when the next request needs more than this many times the blocks of the
+# group's first (shortest) request, if the group already has MIN_GROUP_SEQS requests: padding
+# then wastes at most half the gathered slots, and few groups keep per-layer overhead small.
+GROUP_GROWTH = 2
+MIN_GROUP_SEQS = 8
+
+
+def split_decodes(decodes: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
+    """Decodes sorted by block-table length, cut into groups of similar length."""
+    if not decodes:
+        return []
+    items = sorted(decodes, key=lambda item: len(item[0].block_table))
+    groups = [[items[0]]]
+    for item in items[1:]:
+        group = groups[-1]
+        if (len(item[0].block_table) > GROUP_GROWTH * len(group[0][0].block_table)
+                and len(group) >= MIN_GROUP_SEQS):
+            groups.append([item])
+        else:
+            group.append(item)
+    return groups
 
 
 class ModelRunner:
@@ -44,8 +66,6 @@ class ModelRunner:
         return self._k_workspace, self._v_workspace
 
     def _group(self, items: list[tuple[Request, int]]):
-        if not items:
-            return None
         return build_group(
             [n for _, n in items],
             [r.num_computed_tokens + n for r, n in items],
@@ -57,15 +77,17 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step. Returns the requests that sampled a token and the sampler's output
         (rows in the same order). Does not change any request."""
-        decodes = [(r, n) for r, n in sched.scheduled if n == 1]
+        groups = split_decodes([(r, n) for r, n in sched.scheduled if n == 1])
         prefills = [(r, n) for r, n in sched.scheduled if n > 1]
+        if prefills:
+            groups.append(prefills)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
-        for r, n in decodes + prefills:
+        for r, n in (item for group in groups for item in group):
             start = r.num_computed_tokens
             input_ids.extend(r.token_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -74,13 +96,11 @@ class ModelRunner:
             if start + n == r.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(r)
-        decode, prefill = self._group(decodes), self._group(prefills)
-        rows = max(g.num_seqs * g.max_blocks for g in (decode, prefill) if g is not None)
-        k_ws, v_ws = self._workspace(rows)
+        attn_groups = [self._group(g) for g in groups]
+        k_ws, v_ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            num_decode_tokens=len(decodes),
-            decode=decode, prefill=prefill, k_workspace=k_ws, v_workspace=v_ws,
+            groups=attn_groups, k_workspace=k_ws, v_workspace=v_ws,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),

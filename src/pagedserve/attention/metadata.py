@@ -1,11 +1,11 @@
 """AttentionMetadata: everything attention needs for one step, built once and shared by all
 layers (passed explicitly through ``forward``; no global context).
 
-Token order in a step: first the requests whose query is one token long (decodes), then the
-others (prefill chunks), each request's tokens contiguous. Each group is attended as a padded
-batch: block tables padded to the group's longest, queries padded to its longest chunk; the
-boolean mask (True = attend) hides padding and enforces causality, so no padded key is ever
-read into a result. Query heads are folded into rows per KV head (GQA/MQA: ``G =
+A step's tokens are split into groups, each request's tokens contiguous and the groups in token
+order: decodes (one-token queries) in a few groups of similar context length, then the prefill
+chunks. Each group is attended as a padded batch: block tables padded to the group's longest,
+queries padded to its longest chunk; the boolean mask (True = attend) hides padding and
+enforces causality, so no padded key is ever read into a result. Query heads are folded into rows per KV head (GQA/MQA: ``G =
 num_heads // num_kv_heads`` query rows share one K/V head) so K/V are never repeated.
 """
 
@@ -29,6 +29,7 @@ class AttentionGroup:
     """
 
     num_seqs: int
+    num_tokens: int
     max_blocks: int
     max_query_len: int
     block_ids: torch.Tensor
@@ -44,9 +45,7 @@ class AttentionMetadata:
     the K/V of a group are gathered into (allocated once, reused by every layer and step)."""
 
     slot_mapping: torch.Tensor
-    num_decode_tokens: int
-    decode: AttentionGroup | None
-    prefill: AttentionGroup | None
+    groups: list[AttentionGroup]
     k_workspace: torch.Tensor
     v_workspace: torch.Tensor
 
@@ -74,7 +73,7 @@ def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[l
     max_query_len = max(query_lens)
     if max_query_len == 1:
         mask = (key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
-        return AttentionGroup(num_seqs, max_blocks, 1, block_ids, mask, None, None)
+        return AttentionGroup(num_seqs, num_seqs, max_blocks, 1, block_ids, mask, None, None)
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64, device=device)
     j = torch.arange(max_query_len, device=device)
     valid = j[None, :] < query_lens_t[:, None]  # [num_seqs, max_query_len]
@@ -86,5 +85,5 @@ def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[l
     starts = torch.cumsum(query_lens_t, 0) - query_lens_t
     query_index = torch.where(valid, starts[:, None] + j[None, :], 0)
     output_index = (torch.arange(num_seqs, device=device)[:, None] * max_query_len + j)[valid]
-    return AttentionGroup(num_seqs, max_blocks, max_query_len, block_ids, mask,
+    return AttentionGroup(num_seqs, sum(query_lens), max_blocks, max_query_len, block_ids, mask,
                           query_index, output_index)

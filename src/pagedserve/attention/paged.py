@@ -58,12 +58,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         [num_tokens, num_heads, head_dim], in the token order of ``q``.
     """
     write_kv(k, v, k_cache, v_cache, md.slot_mapping)
-    nd = md.num_decode_tokens
-    if md.prefill is None:
-        return _attend_group(q, k_cache, v_cache, md.decode, md, scale)
-    if md.decode is None:
-        return _attend_group(q, k_cache, v_cache, md.prefill, md, scale)
-    return torch.cat([
-        _attend_group(q[:nd], k_cache, v_cache, md.decode, md, scale),
-        _attend_group(q[nd:], k_cache, v_cache, md.prefill, md, scale),
-    ])
+    if len(md.groups) == 1:
+        return _attend_group(q, k_cache, v_cache, md.groups[0], md, scale)
+    outs, start = [], 0
+    for g in md.groups:
+        outs.append(_attend_group(q[start:start + g.num_tokens], k_cache, v_cache, g, md, scale))
+        start += g.num_tokens
+    return torch.cat(outs)

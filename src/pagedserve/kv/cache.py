@@ -4,14 +4,17 @@ Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM's, 
 inside a block), so that viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]`` a
 token's slot is a row index: writes go through ``slot_mapping`` with one ``index_copy_``, and a
 block table gathers whole blocks whose rows are already in position order. All layers live in
-one allocation ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. It is zeroed
-at start-up so that never-written slots hold finite values (masked scores times zero values).
+one allocation ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. It starts
+zeroed so that never-written slots hold finite values (a masked score's zero weight times a
+NaN would still be NaN). On CPU the zeros come from calloc (through numpy), so the OS commits
+pages as blocks are first written instead of at start-up.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import psutil
 import torch
 
@@ -40,6 +43,14 @@ def num_blocks_for_memory(kv_cache_memory: int, model: ModelConfig, block_size: 
     return kv_cache_memory // (model.kv_bytes_per_token(dtype) * block_size)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
+
+
 class KVCache:
     """Owns the K/V tensors. ``layers[i]`` is ``(k_cache, v_cache)`` of layer i, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype`` on ``device``."""
@@ -48,10 +59,8 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv = torch.zeros(
-            model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
-            model.head_dim, dtype=dtype, device=device,
-        )
+        self.kv = _zeros((model.num_hidden_layers, 2, num_blocks, block_size,
+                          model.num_key_value_heads, model.head_dim), dtype, device)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(model.num_hidden_layers)]
 
     @property
