@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -44,11 +45,47 @@ def test_stream_prompt(tiny_llama, capsys):
     (["generate", "hi", "--model", "/missing/model"], "does not exist"),
     (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate"], "either a PROMPT or --input"),
+    (["generate", ""], "the prompt is empty"),
+    (["generate", "hi", "--top-k", "0.5"], "invalid int value"),
+    (["generate", "hi", "--kv-cache-memory", "1e999"], "not a size"),
+    (["generate", "hi", "--num-kv-blocks", "0"], "num_kv_blocks must be a positive integer"),
+    (["generate", "hi", "--device", "mps"], "not supported"),
+    (["generate", "--input", "/no/such/prompts.jsonl"], "No such file"),
+    (["generate", "--input", "/"], "Is a directory"),
 ])
 def test_errors_are_one_line(args, message, capsys):
-    assert main(args) == 2
+    parse_error = "invalid" in message or "not a size" in message  # argparse exits itself
+    with pytest.raises(SystemExit) if parse_error else contextlib.nullcontext():
+        assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([], "no prompts"),
+    (['{"prompt": "a", "messages": []}'], ":1: give exactly one of"),
+    (['"ok"', '{"prompt": ""}'], ":2: the prompt is empty"),
+    (['"ok"', '{"prompt": "x", "logprobs": true}'], ":2: logprobs must be an integer"),
+    (['"ok"', '{"prompt_token_ids": [1, 99999]}'], ":2: token id 99999 is outside"),
+    (['{"prompt": 123}'], ":1: a prompt must be a string"),
+])
+def test_bad_jsonl_lines_are_named(tiny_llama, tmp_path, capsys, lines, message):
+    src = tmp_path / "p.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    rc = main(["generate", "--input", str(src), "--output", str(out), "--model", tiny_llama,
+               "--num-kv-blocks", "64", "--no-chat"])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unwritable_output_refused_before_loading(tmp_path, capsys):
+    src = tmp_path / "p.jsonl"
+    src.write_text('"hello"\n')
+    rc = main(["generate", "--input", str(src), "--output", str(tmp_path),
+               "--model", "/never/loaded"])
+    assert rc == 2 and "Is a directory" in capsys.readouterr().err
 
 
 def test_bad_jsonl_line_is_named(tiny_llama, tmp_path, capsys):

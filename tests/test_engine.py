@@ -4,6 +4,7 @@ seeds, preemption, abort, streaming, stats."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,28 @@ def test_params_list_length_mismatch(llm):
         llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
 
 
+@pytest.mark.parametrize("prompts, params, match", [
+    (None, GREEDY, "prompts must be"), (5, GREEDY, "prompts must be"),
+    (b"hi", GREEDY, "prompts must be"), (["a"], [{"temperature": 0}], "SamplingParams objects"),
+    (["caf\udce9"], GREEDY, "not valid text"),
+])
+def test_bad_api_arguments_are_value_errors(llm, prompts, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert llm.generate([], GREEDY, use_tqdm=False) == []
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_generate_never_aborts_requests_it_does_not_own(llm):
+    engine = llm.llm_engine
+    nxt = engine.next_request_id()
+    engine.add_request(str(int(nxt) + 1), "mine", SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.generate(["a", "b", "c"], GREEDY, use_tqdm=False)  # its ids skip the one in use
+    with pytest.raises(ValueError, match="list of strings"):
+        engine.abort_request(5)
+    engine.abort_request(str(int(nxt) + 1))
+
+
 def test_missing_model_path():
     with pytest.raises(FileNotFoundError, match="/no/such/model.gguf"):
         LLM("/no/such/model.gguf")
@@ -81,6 +104,25 @@ def test_bad_model_files(tmp_path, tiny_llama):
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
     with pytest.raises(ValueError, match="model.safetensors"):
         LLM(str(d2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_kv_blocks=0), "num_kv_blocks must be a positive integer, got 0"),
+    (dict(block_size=0), "block_size must be a positive integer"),
+    (dict(block_size=100000), "block_size must be at most 1024"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(max_num_batched_tokens=-1), "max_num_batched"),
+    (dict(max_model_len=0), "max_model_len"), (dict(kv_cache_memory=0.5), "kv_cache_memory"),
+    (dict(device="mps"), "not supported; choose auto, cpu or cuda"),
+    (dict(device="bogus"), "unknown device"), (dict(dtype="bogus"), "unknown dtype"),
+])
+def test_bad_options_refused_before_loading(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("/no/such/model/needed", **kwargs)  # refused before the path is even looked at
+
+
+def test_kv_cache_larger_than_memory(tiny_llama):
+    with pytest.raises(ValueError, match=r"needs \d+\.\d+ GiB but only .* available"):
+        LLM(tiny_llama, kv_cache_memory=1 << 50)
 
 
 def test_engine_options_validated(tiny_llama):
@@ -210,3 +252,30 @@ def test_stats_and_continuous_batching(tiny_llama):
     assert stats.num_used_blocks == 0 and stats.num_free_blocks == 64
     assert 0 < stats.peak_used_blocks <= 64
     assert 0.5 < stats.kv_token_utilization <= 1.0
+
+
+def test_unreadable_tokenizer_cache_is_rebuilt(tmp_path, monkeypatch):
+    from pagedserve.loader import gguf as gguf_loader
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    calls = []
+
+    def fake_load(path, gguf_file=None):
+        calls.append((str(path), gguf_file))
+        if gguf_file is None:
+            raise ValueError("broken json")
+        return _SavingTokenizer()
+
+    class _SavingTokenizer:
+        def save_pretrained(self, path):
+            calls.append(("saved", path))
+
+    monkeypatch.setattr("pagedserve.tokenizer.load_tokenizer", fake_load)
+    first = gguf_loader.load_gguf_tokenizer(model, tmp_path)  # builds and caches
+    cached = Path(calls[-1][1])
+    cached.mkdir(parents=True)
+    (cached / "tokenizer_config.json").write_text("{broken")
+    second = gguf_loader.load_gguf_tokenizer(model, tmp_path)  # cache unreadable: rebuilt
+    assert isinstance(first, _SavingTokenizer) and isinstance(second, _SavingTokenizer)
+    assert [c[1] for c in calls if c[0] != "saved"] == ["m.gguf", None, "m.gguf"]

@@ -107,8 +107,20 @@ def test_logprobs_are_raw_and_ranked():
     dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.5),
     dict(max_tokens=-1), dict(max_tokens=0), dict(n=2), dict(logprobs=21), dict(stop=[""]),
     dict(repetition_penalty=0), dict(presence_penalty=3), dict(temperature=float("nan")),
-    dict(min_tokens=5, max_tokens=2),
+    dict(min_tokens=5, max_tokens=2), dict(logprobs=True), dict(max_tokens=True),
+    dict(temperature=True), dict(seed=True), dict(seed=2**64), dict(seed="7"),
+    dict(ignore_eos="no"), dict(include_stop_str_in_output="yes"), dict(output_kind="delta"),
+    dict(stop=123), dict(stop_token_ids=5), dict(stop_token_ids=[True]),
+    dict(repetition_penalty=1e-300), dict(repetition_penalty=1e5),
 ])
 def test_invalid_params_raise(bad):
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
         SamplingParams(**bad)
+
+
+def test_extreme_but_valid_values_stay_sane():
+    # top_p rounds to 0 in float32: the most likely token must still be kept
+    assert sample([LOGITS], [req(top_p=1e-300)]).token_ids == [2]
+    # a huge temperature with a banned (-inf) token: uniform over the rest, never NaN
+    out = sample([LOGITS], [req(temperature=1e300, min_tokens=1)])
+    assert out.token_ids[0] != 0

@@ -11,7 +11,10 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from typing import Any
+
+from pagedserve.sampling_params import RequestOutputKind
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}
@@ -24,7 +27,7 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB)")
     try:
         return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
 
 
@@ -57,7 +60,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
-                ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty)
+                ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
 
 
 def _use_chat(args: argparse.Namespace, tokenizer: Any) -> bool:
@@ -67,7 +72,7 @@ def _use_chat(args: argparse.Namespace, tokenizer: Any) -> bool:
 
 
 def _stream_one(llm, args: argparse.Namespace) -> None:
-    from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.tokenizer import apply_chat_template
 
     engine = llm.llm_engine
@@ -88,11 +93,15 @@ def _stream_one(llm, args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
-def _read_jsonl(path: str, args: argparse.Namespace, tokenizer: Any):
-    from pagedserve.sampling_params import SamplingParams
-    from pagedserve.tokenizer import apply_chat_template
+_PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 
-    prompts, params = [], []
+
+def _parse_jsonl(path: str, args: argparse.Namespace) -> list[tuple[int, dict, Any]]:
+    """(line number, prompt fields, SamplingParams) per line, checked before the model loads.
+    Raises ValueError naming ``path:line`` for a bad line, and for a file with no prompts."""
+    from pagedserve.sampling_params import SamplingParams
+
+    rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -103,45 +112,76 @@ def _read_jsonl(path: str, args: argparse.Namespace, tokenizer: Any):
                     item = {"prompt": item}
                 if not isinstance(item, dict):
                     raise ValueError("expected a JSON string or object")
+                keys = [k for k in _PROMPT_KEYS if k in item]
+                if len(keys) != 1:
+                    raise ValueError("give exactly one of 'prompt', 'messages', 'prompt_token_ids'")
+                if keys == ["prompt"] and item["prompt"] == "":
+                    raise ValueError("the prompt is empty")
                 fields = {**_sampling_fields(args),
-                          **{k: v for k, v in item.items()
-                             if k not in ("prompt", "messages", "prompt_token_ids")}}
-                params.append(SamplingParams(**fields))
-                if "messages" in item:
-                    text, ids = apply_chat_template(tokenizer, item["messages"])
-                    prompts.append({"prompt": text, "prompt_token_ids": ids})
-                elif "prompt_token_ids" in item:
-                    prompts.append({"prompt_token_ids": item["prompt_token_ids"]})
-                elif "prompt" in item:
-                    prompt = item["prompt"]
-                    if _use_chat(args, tokenizer) and isinstance(prompt, str):
-                        text, ids = apply_chat_template(tokenizer,
-                                                        [{"role": "user", "content": prompt}])
-                        prompts.append({"prompt": text, "prompt_token_ids": ids})
-                    else:
-                        prompts.append(prompt)
-                else:
-                    raise ValueError("needs 'prompt', 'messages' or 'prompt_token_ids'")
+                          **{k: v for k, v in item.items() if k not in _PROMPT_KEYS}}
+                rows.append((lineno, {keys[0]: item[keys[0]]}, SamplingParams(**fields)))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: {e}") from e
-    return prompts, params
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
 
 
-def _run_batch(llm, args: argparse.Namespace) -> None:
-    prompts, params = _read_jsonl(args.input, args, llm.get_tokenizer())
-    outputs = llm.generate(prompts, params, use_tqdm=True)
-    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+def _to_prompt(item: dict, args: argparse.Namespace, tokenizer: Any) -> Any:
+    """A JSONL prompt as the engine takes it, with the chat template where it applies."""
+    from pagedserve.tokenizer import apply_chat_template
+
+    messages = item.get("messages")
+    if messages is None and "prompt" in item and _use_chat(args, tokenizer) \
+            and isinstance(item["prompt"], str):
+        messages = [{"role": "user", "content": item["prompt"]}]
+    if messages is not None:
+        if not isinstance(messages, list):
+            raise ValueError("'messages' must be a list of {role, content} objects")
+        text, ids = apply_chat_template(tokenizer, messages)
+        return {"prompt": text, "prompt_token_ids": ids}
+    return item.get("prompt", item)
+
+
+def _run_batch(llm, args: argparse.Namespace, rows, sink) -> None:
+    """Add every line's request, then step; results are written in input order as soon as
+    all earlier ones are done, so an interrupted run keeps what finished."""
+    from tqdm.auto import tqdm
+
+    engine = llm.llm_engine
+    ids: list[str] = []
     try:
-        for i, out in enumerate(outputs):
-            c = out.outputs[0]
-            sink.write(json.dumps({
-                "index": i, "prompt": out.prompt, "text": c.text,
-                "finish_reason": c.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
-                "num_output_tokens": len(c.token_ids), "token_ids": c.token_ids,
-            }, ensure_ascii=False) + "\n")
+        for lineno, item, params in rows:
+            try:
+                prompt = _to_prompt(item, args, engine.tokenizer)
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, replace(params,
+                                                        output_kind=RequestOutputKind.FINAL_ONLY))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{args.input}:{lineno}: {e}") from e
+            ids.append(rid)
+        done: dict[str, Any] = {}
+        written = 0
+        with tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) as bar:
+            while written < len(ids):
+                for out in engine.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+                while written < len(ids) and ids[written] in done:
+                    sink.write(json.dumps(_row(written, done.pop(ids[written])),
+                                          ensure_ascii=False) + "\n")
+                    sink.flush()
+                    written += 1
     finally:
-        if sink is not sys.stdout:
-            sink.close()
+        engine.abort_request(ids)
+
+
+def _row(index: int, out) -> dict[str, Any]:
+    c = out.outputs[0]
+    return {"index": index, "prompt": out.prompt, "text": c.text,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids),
+            "token_ids": c.token_ids}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -149,21 +189,36 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError("give either a PROMPT or --input prompts.jsonl")
     if args.output and not args.input:
         raise ValueError("--output goes with --input")
+    if args.prompt == "":
+        raise ValueError("the prompt is empty")
     from pagedserve.engine import LLM
     from pagedserve.sampling_params import SamplingParams
 
-    SamplingParams(**_sampling_fields(args))  # refuse bad flags before loading the model
-    llm = LLM(**engine_kwargs(args))
-    if args.input:
-        _run_batch(llm, args)
-    else:
-        _stream_one(llm, args)
+    # Refuse bad flags, lines and paths before spending seconds on loading the model.
+    SamplingParams(**_sampling_fields(args))
+    rows = _parse_jsonl(args.input, args) if args.input else None
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        llm = LLM(**engine_kwargs(args))
+        if rows is not None:
+            _run_batch(llm, args, rows, sink)
+        else:
+            _stream_one(llm, args)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``error: ...``, exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve",
-                                     description="LLM inference on a paged KV cache")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="pagedserve", description="LLM inference on a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt (streamed) or a JSONL batch")
     g.add_argument("prompt", nargs="?", help="the prompt (omit with --input)")
     g.add_argument("--input", help="JSONL file: one prompt string or object per line")
@@ -180,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--min-p", type=float, default=0.0)
     s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--min-tokens", type=int, default=0)
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--seed", type=int, default=None, help="seed of the request and the engine")
@@ -192,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

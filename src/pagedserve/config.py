@@ -97,11 +97,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"`` picks CUDA when available, else CPU. Raises ValueError for an unknown name."""
@@ -111,8 +106,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {device!r}") from e
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; choose auto, cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return dev

@@ -69,8 +69,9 @@ class LLMEngine:
                  max_num_batched_tokens: int = 512, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
                  skip_tokenizer_init: bool = False):
-        if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        _check_options(block_size=block_size, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         source = open_model(model)
@@ -117,7 +118,7 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                                 max_model_len)
         self.model.rotary = RotaryEmbedding(cfg, max_model_len).to(self.device)
-        self.kv_cache = KVCache(cfg, num_kv_blocks, block_size, self.dtype, self.device)
+        self.kv_cache = KVCache.allocate(cfg, num_kv_blocks, block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_kv_blocks, block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, seed)
@@ -154,7 +155,10 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("the engine runs without a tokenizer: pass prompt_token_ids")
-        return prompt, self.tokenizer.encode(prompt)
+        try:
+            return prompt, self.tokenizer.encode(prompt)
+        except (TypeError, ValueError) as e:  # e.g. lone surrogates from undecodable bytes
+            raise ValueError(f"the prompt is not valid text: {e}") from e
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None
@@ -214,6 +218,9 @@ class LLMEngine:
         """Stop requests now and free their blocks. Unknown or finished ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        elif not isinstance(request_ids, Iterable):
+            raise ValueError(f"request_ids must be a string or a list of strings, "
+                             f"got {request_ids!r}")
         aborted = [self.requests.pop(i) for i in request_ids if i in self.requests]
         for r in aborted:
             r.status = RequestStatus.FINISHED_ABORTED
@@ -227,7 +234,10 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def next_request_id(self) -> str:
-        return str(next(self._ids))
+        """A request id not in use."""
+        while (rid := str(next(self._ids))) in self.requests:
+            pass
+        return rid
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -357,6 +367,21 @@ class LLMEngine:
         )
 
 
+_MAX_BLOCK_SIZE = 1024
+
+
+def _check_options(**options: int | None) -> None:
+    """Refuse bad engine options before the model is loaded. Raises ValueError."""
+    for name, value in options.items():
+        if value is None and name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if options["block_size"] > _MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be at most {_MAX_BLOCK_SIZE}, "
+                         f"got {options['block_size']}")
+
+
 class LLM:
     """Offline batched inference with vLLM's API: ``LLM(...).generate(prompts, params)``.
 
@@ -383,13 +408,17 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of them, "
+                             f"got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+            if not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError("sampling_params must be SamplingParams objects")
         final = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         return self._run(prompts, final, use_tqdm)
 
@@ -418,8 +447,9 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.next_request_id())
-                engine.add_request(ids[-1], prompt, p)
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
             results: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                        dynamic_ncols=True)

@@ -94,7 +94,9 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int,
                 banned.append((i, ids))
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
-        temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+        # NOTE: capped so float32 keeps it finite (-inf / inf would be NaN); the distribution
+        # at 1e6 is already uniform over the surviving tokens.
+        temperature=tensor([1.0 if g else min(p.temperature, 1e6) for p, g in zip(params, greedy)]),
         greedy=tensor(greedy, torch.bool),
         all_greedy=all(greedy),
         top_k=top_k, top_p=top_p, min_p=min_p,
@@ -133,7 +135,8 @@ def _filter(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.top_p is not None:
             probs = sorted_logits.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
-            remove |= mass_before >= md.top_p[:, None]  # the first token always survives
+            remove |= mass_before >= md.top_p[:, None]
+        remove[:, 0] = False  # the most likely token always survives (top_p may round to 0)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
     probs = logits.softmax(dim=-1)
     if md.min_p is not None:

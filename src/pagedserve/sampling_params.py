@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class RequestOutputKind(enum.Enum):
@@ -33,7 +39,8 @@ class SamplingParams:
         temperature: >= 0; 0 means greedy.
         top_p: nucleus mass in (0, 1]. top_k: 0 or -1 disables, else >= 1. min_p: in [0, 1].
         presence_penalty, frequency_penalty: in [-2, 2], OpenAI semantics, over generated tokens.
-        repetition_penalty: > 0, CTRL/HF semantics (Keskar et al. 2019), over prompt + output.
+        repetition_penalty: in [1e-4, 1e4] (1 = off), CTRL/HF semantics (Keskar et al. 2019),
+            over prompt + output.
         seed: per-request seed; a seeded request's tokens do not depend on its batch-mates.
         stop: strings that end generation (left out of the text unless
             include_stop_str_in_output). stop_token_ids: token ids that end generation.
@@ -66,56 +73,67 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop_strings = (self.stop,)
-        elif self.stop is None:
-            self.stop_strings = ()
-        else:
-            self.stop_strings = tuple(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        stop, stop_ids = self.stop, self.stop_token_ids
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if stop_ids is not None and not isinstance(stop_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {stop_ids!r}")
+        self.stop_strings = tuple(stop or ())
+        self.stop_token_ids = list(stop_ids or [])
         self._validate()
 
     def _validate(self) -> None:
         def fail(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail(f"n must be a positive integer, got {self.n!r}")
-        if self.n > 1:
-            fail(f"n > 1 is not supported yet, got n={self.n}")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                fail(f"{name} must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
                 fail(f"{name} must be a finite number, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.n < 1:
+            fail(f"n must be at least 1, got {self.n}")
+        if self.n > 1:
+            fail(f"n > 1 is not supported yet, got n={self.n}")
         if self.temperature < 0:
             fail(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
-            fail(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.top_k < -1:
+            fail(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 fail(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail(f"seed must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        # Far outside this range float32 logits overflow or the penalty rounds to 0.
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            fail(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                 f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            fail(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            fail(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             fail(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property

@@ -63,6 +63,24 @@ class KVCache:
                           model.num_key_value_heads, model.head_dim), dtype, device)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(model.num_hidden_layers)]
 
+    @classmethod
+    def allocate(cls, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> KVCache:
+        """Allocate after checking the memory exists. Raises ValueError naming the sizes."""
+        nbytes = model.kv_bytes_per_token(dtype) * block_size * num_blocks
+        if device.type == "cuda":
+            available = torch.cuda.mem_get_info(device)[0]
+        else:
+            available = psutil.virtual_memory().available
+        if nbytes > available:
+            raise ValueError(f"the KV cache of {num_blocks} blocks needs {nbytes / 2**30:.2f} GiB "
+                             f"but only {available / 2**30:.2f} GiB of memory is available; "
+                             "lower kv_cache_memory or num_kv_blocks")
+        try:
+            return cls(model, num_blocks, block_size, dtype, device)
+        except (MemoryError, torch.OutOfMemoryError) as e:
+            raise ValueError(f"cannot allocate a KV cache of {nbytes / 2**30:.2f} GiB: {e}") from e
+
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()

