@@ -18,7 +18,7 @@ from pagedserve.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers does.
+    """Root-mean-square norm (Zhang & Sennrich 2019): one fused ``F.rms_norm`` call.
     x [..., hidden] -> same shape and dtype."""
 
     def __init__(self, hidden_size: int, eps: float):
@@ -27,10 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -66,27 +63,29 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed cos/sin table [max_positions, head_dim]
-    (the rotate-half layout of transformers' Llama)."""
+    """Rotary position embedding with precomputed tables [max_positions, head_dim] in the
+    rotate-half layout of transformers' Llama. ``sin`` is stored with its first half negated
+    so that rotate_half(x) * sin == x.roll(head_dim // 2) * sin_signed: one op instead of
+    three, bit-identical."""
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions).float(), rope_inv_freq(config))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1), persistent=False)
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], -1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D], k [T, H_kv, D] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """positions [T] -> (cos, signed sin), each [T, 1, head_dim] of ``dtype``; looked up
+        once per step and shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by the (cos, signed sin) of RotaryEmbedding."""
+    cos, sin = rope
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class GatedMLP(nn.Module):
@@ -118,14 +117,15 @@ class Attention(nn.Module):
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
                 ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this layer's new K/V into ``kv_cache``."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim),
-                      k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the fused output: rotate them in one go
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], md, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))

@@ -27,8 +27,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions, x, rotary, kv_cache, md):
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, md)
+    def forward(self, x, rope, kv_cache, md):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -53,8 +53,9 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, self.rotary, kv_cache, md)
+            x = layer(x, rope, kv_cache, md)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
