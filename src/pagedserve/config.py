@@ -83,10 +83,6 @@ class CacheConfig:
         default_factory=lambda: os.environ.get("PAGEDSERVE_DEBUG_KV", "0") not in ("", "0")
     )
 
-    @property
-    def num_token_slots(self) -> int:
-        return self.block_size * self.num_blocks
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -27,10 +27,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
