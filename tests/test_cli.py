@@ -68,7 +68,11 @@ def test_errors_are_one_line(args, message, capsys):
     (['"ok"', '{"prompt": ""}'], ":2: the prompt is empty"),
     (['"ok"', '{"prompt": "x", "logprobs": true}'], ":2: logprobs must be an integer"),
     (['"ok"', '{"prompt_token_ids": [1, 99999]}'], ":2: token id 99999 is outside"),
-    (['{"prompt": 123}'], ":1: a prompt must be a string"),
+    (['{"prompt": 123}'], ":1: 'prompt' must be a string"),
+    (['{"messages": "hi"}'], ":1: 'messages' must be a non-empty list"),
+    (['{"prompt_token_ids": []}'], ":1: 'prompt_token_ids' must be a non-empty list"),
+    (['"ok"', '{"messages": [{"role": "user", "content": "\\udce9"}]}'],
+     ":2: the conversation is not valid UTF-8"),
 ])
 def test_bad_jsonl_lines_are_named(tiny_llama, tmp_path, capsys, lines, message):
     src = tmp_path / "p.jsonl"
@@ -80,12 +84,44 @@ def test_bad_jsonl_lines_are_named(tiny_llama, tmp_path, capsys, lines, message)
     assert message in capsys.readouterr().err
 
 
+def test_failed_run_leaves_existing_output_untouched(tmp_path, capsys):
+    src = tmp_path / "p.jsonl"
+    src.write_text('"hello"\n')
+    out = tmp_path / "prev.jsonl"
+    out.write_text("precious\n")
+    assert main(["generate", "--input", str(src), "--output", str(out), "--model",
+                 "/missing/model"]) == 2
+    assert out.read_text() == "precious\n"
+    assert main(["generate", "--input", str(src), "--output", str(src)]) == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert src.read_text() == '"hello"\n'
+
+
+def test_non_utf8_inputs(tmp_path, capsys):
+    assert main(["generate", "caf\udce9"]) == 2  # how Python passes the bytes caf\xe9
+    assert "not valid UTF-8" in capsys.readouterr().err
+    src = tmp_path / "p.jsonl"
+    src.write_bytes(b'"caf\xe9"\n')
+    assert main(["generate", "--input", str(src)]) == 2
+    assert "p.jsonl: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_logprobs_in_jsonl_output(tiny_llama, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "hello", "logprobs": 2, "max_tokens": 3}\n')
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--input", str(src), "--output", str(out), "--model", tiny_llama,
+                 "--num-kv-blocks", "64", "--no-chat", "--ignore-eos"]) == 0
+    row = json.loads(out.read_text())
+    assert len(row["logprobs"]) == 3 and all(2 <= len(e) <= 3 for e in row["logprobs"])
+
+
 def test_unwritable_output_refused_before_loading(tmp_path, capsys):
     src = tmp_path / "p.jsonl"
     src.write_text('"hello"\n')
     rc = main(["generate", "--input", str(src), "--output", str(tmp_path),
                "--model", "/never/loaded"])
-    assert rc == 2 and "Is a directory" in capsys.readouterr().err
+    assert rc == 2 and "is a directory" in capsys.readouterr().err
 
 
 def test_bad_jsonl_line_is_named(tiny_llama, tmp_path, capsys):

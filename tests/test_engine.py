@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedserve import LLM, RequestOutputKind, SamplingParams
 
@@ -56,13 +57,36 @@ def test_params_list_length_mismatch(llm):
 @pytest.mark.parametrize("prompts, params, match", [
     (None, GREEDY, "prompts must be"), (5, GREEDY, "prompts must be"),
     (b"hi", GREEDY, "prompts must be"), (["a"], [{"temperature": 0}], "SamplingParams objects"),
-    (["caf\udce9"], GREEDY, "not valid text"),
+    (["caf\udce9"], GREEDY, "not valid UTF-8"),
 ])
 def test_bad_api_arguments_are_value_errors(llm, prompts, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, params, use_tqdm=False)
     assert llm.generate([], GREEDY, use_tqdm=False) == []
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_with_invalid_text(llm):
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        llm.chat([{"role": "user", "content": "\ud800"}], GREEDY, use_tqdm=False)
+
+
+def test_add_request_argument_types(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        engine.add_request(5, "hi", GREEDY)
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        engine.add_request("x", "hi", {"max_tokens": 2})
+    assert not engine.has_unfinished_requests()
+
+
+def test_generate_alongside_a_request_added_directly(llm):
+    engine = llm.llm_engine
+    engine.add_request("mine", "hello", SamplingParams(max_tokens=2, ignore_eos=True))
+    outs = llm.generate("Write a poem", SamplingParams(max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 20  # not confused by "mine" finishing first
+    assert not engine.has_unfinished_requests()
 
 
 def test_generate_never_aborts_requests_it_does_not_own(llm):
@@ -114,6 +138,8 @@ def test_bad_model_files(tmp_path, tiny_llama):
     (dict(max_model_len=0), "max_model_len"), (dict(kv_cache_memory=0.5), "kv_cache_memory"),
     (dict(device="mps"), "not supported; choose auto, cpu or cuda"),
     (dict(device="bogus"), "unknown device"), (dict(dtype="bogus"), "unknown dtype"),
+    (dict(dtype=torch.float64), "not supported"), (dict(device=torch.device("meta")), "meta"),
+    (dict(seed=2**64), "seed must be"), (dict(seed="x"), "seed must be"),
 ])
 def test_bad_options_refused_before_loading(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pagedserve.sampling_params import RequestOutputKind
@@ -96,32 +98,51 @@ def _stream_one(llm, args: argparse.Namespace) -> None:
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 
 
+def _check_prompt_field(key: str, value: Any) -> None:
+    """The shape of a JSONL line's prompt field. Raises ValueError."""
+    from pagedserve.tokenizer import check_text
+
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+        if not value:
+            raise ValueError("the prompt is empty")
+        check_text(value)
+    elif key == "messages":
+        if not isinstance(value, list) or not value:
+            raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+    elif not isinstance(value, list) or not value:
+        raise ValueError("'prompt_token_ids' must be a non-empty list of integers")
+
+
 def _parse_jsonl(path: str, args: argparse.Namespace) -> list[tuple[int, dict, Any]]:
     """(line number, prompt fields, SamplingParams) per line, checked before the model loads.
     Raises ValueError naming ``path:line`` for a bad line, and for a file with no prompts."""
     from pagedserve.sampling_params import SamplingParams
 
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                if isinstance(item, str):
-                    item = {"prompt": item}
-                if not isinstance(item, dict):
-                    raise ValueError("expected a JSON string or object")
-                keys = [k for k in _PROMPT_KEYS if k in item]
-                if len(keys) != 1:
-                    raise ValueError("give exactly one of 'prompt', 'messages', 'prompt_token_ids'")
-                if keys == ["prompt"] and item["prompt"] == "":
-                    raise ValueError("the prompt is empty")
-                fields = {**_sampling_fields(args),
-                          **{k: v for k, v in item.items() if k not in _PROMPT_KEYS}}
-                rows.append((lineno, {keys[0]: item[keys[0]]}, SamplingParams(**fields)))
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from e
+    try:
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if not isinstance(item, dict):
+                raise ValueError("expected a JSON string or object")
+            keys = [k for k in _PROMPT_KEYS if k in item]
+            if len(keys) != 1:
+                raise ValueError("give exactly one of 'prompt', 'messages', 'prompt_token_ids'")
+            _check_prompt_field(keys[0], item[keys[0]])
+            fields = {**_sampling_fields(args),
+                      **{k: v for k, v in item.items() if k not in _PROMPT_KEYS}}
+            rows.append((lineno, {keys[0]: item[keys[0]]}, SamplingParams(**fields)))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from e
     if not rows:
         raise ValueError(f"{path}: no prompts")
     return rows
@@ -132,24 +153,23 @@ def _to_prompt(item: dict, args: argparse.Namespace, tokenizer: Any) -> Any:
     from pagedserve.tokenizer import apply_chat_template
 
     messages = item.get("messages")
-    if messages is None and "prompt" in item and _use_chat(args, tokenizer) \
-            and isinstance(item["prompt"], str):
+    if messages is None and "prompt" in item and _use_chat(args, tokenizer):
         messages = [{"role": "user", "content": item["prompt"]}]
     if messages is not None:
-        if not isinstance(messages, list):
-            raise ValueError("'messages' must be a list of {role, content} objects")
         text, ids = apply_chat_template(tokenizer, messages)
         return {"prompt": text, "prompt_token_ids": ids}
     return item.get("prompt", item)
 
 
-def _run_batch(llm, args: argparse.Namespace, rows, sink) -> None:
+def _run_batch(llm, args: argparse.Namespace, rows) -> None:
     """Add every line's request, then step; results are written in input order as soon as
-    all earlier ones are done, so an interrupted run keeps what finished."""
+    all earlier ones are done, so an interrupted run keeps what finished. The output file is
+    opened only once every request is accepted."""
     from tqdm.auto import tqdm
 
     engine = llm.llm_engine
     ids: list[str] = []
+    sink = sys.stdout
     try:
         for lineno, item, params in rows:
             try:
@@ -160,6 +180,8 @@ def _run_batch(llm, args: argparse.Namespace, rows, sink) -> None:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{args.input}:{lineno}: {e}") from e
             ids.append(rid)
+        if args.output:
+            sink = open(args.output, "w", encoding="utf-8")
         done: dict[str, Any] = {}
         written = 0
         with tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) as bar:
@@ -174,6 +196,8 @@ def _run_batch(llm, args: argparse.Namespace, rows, sink) -> None:
                     written += 1
     finally:
         engine.abort_request(ids)
+        if sink is not sys.stdout:
+            sink.close()
 
 
 def _row(index: int, out) -> dict[str, Any]:
@@ -181,7 +205,9 @@ def _row(index: int, out) -> dict[str, Any]:
     return {"index": index, "prompt": out.prompt, "text": c.text,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids),
-            "token_ids": c.token_ids}
+            "token_ids": c.token_ids,
+            **({"logprobs": [{str(t): lp.logprob for t, lp in entry.items()}
+                             for entry in c.logprobs]} if c.logprobs is not None else {})}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -193,20 +219,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError("the prompt is empty")
     from pagedserve.engine import LLM
     from pagedserve.sampling_params import SamplingParams
+    from pagedserve.tokenizer import check_text
 
     # Refuse bad flags, lines and paths before spending seconds on loading the model.
+    check_text(args.prompt or "")
     SamplingParams(**_sampling_fields(args))
     rows = _parse_jsonl(args.input, args) if args.input else None
-    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    try:
-        llm = LLM(**engine_kwargs(args))
-        if rows is not None:
-            _run_batch(llm, args, rows, sink)
-        else:
-            _stream_one(llm, args)
-    finally:
-        if sink is not sys.stdout:
-            sink.close()
+    if args.output:
+        _check_writable(Path(args.output), Path(args.input))
+    llm = LLM(**engine_kwargs(args))
+    if rows is not None:
+        _run_batch(llm, args, rows)
+    else:
+        _stream_one(llm, args)
+
+
+def _check_writable(out: Path, src: Path) -> None:
+    """Refuse an --output that cannot be written (or is the input) without touching it."""
+    if out.exists() and src.exists() and out.samefile(src):
+        raise ValueError(f"--output {out} is the input file")
+    if out.is_dir():
+        raise ValueError(f"--output {out} is a directory")
+    target = out if out.exists() else out.parent
+    if not target.exists() or not os.access(target, os.W_OK):
+        raise ValueError(f"--output {out}: cannot write there")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -255,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
     return 0
 
 

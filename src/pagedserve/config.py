@@ -97,7 +97,9 @@ class SchedulerConfig:
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"`` picks CUDA when available, else CPU. Raises ValueError for an unknown name."""
     if isinstance(device, torch.device):
-        return device
+        device = str(device)
+    if not isinstance(device, str):
+        raise ValueError(f"device must be a string such as 'cpu', got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -117,11 +119,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     Raises ValueError for an unknown name.
     """
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; choose float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -35,7 +36,12 @@ from pagedserve.runner import ModelRunner
 from pagedserve.sampler import SamplerOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.sequence import Request, RequestStatus
-from pagedserve.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from pagedserve.tokenizer import (
+    IncrementalDetokenizer,
+    apply_chat_template,
+    encode,
+    load_tokenizer,
+)
 
 logger = logging.getLogger("pagedserve")
 
@@ -72,6 +78,10 @@ class LLMEngine:
         _check_options(block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path or None, got {model!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         source = open_model(model)
@@ -155,10 +165,7 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("the engine runs without a tokenizer: pass prompt_token_ids")
-        try:
-            return prompt, self.tokenizer.encode(prompt)
-        except (TypeError, ValueError) as e:  # e.g. lone surrogates from undecodable bytes
-            raise ValueError(f"the prompt is not valid text: {e}") from e
+        return prompt, encode(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None
@@ -170,7 +177,11 @@ class LLMEngine:
                 longer than max_model_len, or prompt + max_tokens beyond it (the message
                 states the numbers); stop strings without a tokenizer.
         """
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_token_ids(prompt)
@@ -451,13 +462,15 @@ class LLM:
                 engine.add_request(rid, prompt, p)
                 ids.append(rid)
             results: dict[str, RequestOutput] = {}
+            pending = set(ids)
             bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                        dynamic_ncols=True)
             t0, out_tokens = time.perf_counter(), 0
             with bar:
                 while len(results) < len(ids):
-                    for out in engine.step():
-                        if out.finished:
+                    for out in engine.step():  # other queued requests step along too
+                        if out.finished and out.request_id in pending:
+                            pending.discard(out.request_id)
                             results[out.request_id] = out
                             out_tokens += len(out.outputs[0].token_ids)
                             bar.update(1)

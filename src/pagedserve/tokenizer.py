@@ -31,6 +31,23 @@ def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> Any:
         raise ValueError(f"cannot load a tokenizer from {where}: {e}") from e
 
 
+def check_text(text: str, what: str = "the prompt") -> None:
+    """Raise ValueError if ``text`` cannot be encoded as UTF-8 (lone surrogates, e.g. from
+    command-line bytes that were not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 text (character {e.start}: "
+                         f"{text[e.start:e.end]!r})") from None
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` (with the tokenizer's own BOS rule). Raises ValueError for text
+    that is not valid UTF-8."""
+    check_text(text)
+    return tokenizer.encode(text)
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         **kwargs: Any) -> tuple[str, list[int]]:
     """A conversation rendered with the tokenizer's chat template: (text, token ids).
@@ -48,6 +65,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
     except Exception as e:  # jinja2 and transformers raise many types for malformed messages
         raise ValueError(f"cannot apply the chat template to these messages: {e}") from e
     # The template already writes BOS where the model wants it.
+    check_text(text, "the conversation")
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
