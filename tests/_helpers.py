@@ -18,6 +18,22 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}<
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
+def make_sequence(prompt: list[int], params=None, eos: int = 2, request_id: str = "r",
+                  cache_salt: str | None = None):
+    """A Request with one Sequence, without an engine (for scheduler and sampler tests)."""
+    from pagedserve.core.block_pool import root_hash
+    from pagedserve.outputs import RequestMetrics
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.sequence import Request, Sequence
+
+    params = params or SamplingParams(max_tokens=8)
+    request = Request(request_id, None, list(prompt), params, params.max_tokens or 16,
+                      frozenset({eos}), RequestMetrics(0.0), root_hash=root_hash(cache_salt))
+    seq = Sequence(0, request, 0, list(prompt))
+    request.seqs.append(seq)
+    return seq
+
+
 def tiny_tokenizer():
     """A byte-level BPE tokenizer trained on a small corpus (multi-byte characters span
     several tokens), with <unk>=0, <s>=1, </s>=2 and a chat template."""

@@ -6,23 +6,21 @@ import math
 
 import pytest
 import torch
+from _helpers import make_sequence
 
-from pagedserve.outputs import RequestMetrics
 from pagedserve.sampler import Sampler, build_sampling_metadata
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.sequence import Request
 
 V = 8
 
 
 def req(prompt=(1,), output=(), seed=None, **kw):
-    p = SamplingParams(seed=seed, **kw)
-    r = Request("r", None, list(prompt), p, p.max_tokens or 16, frozenset({0}), RequestMetrics(0))
+    seq = make_sequence(list(prompt), SamplingParams(seed=seed, **kw), eos=0)
     for t in output:
-        r.append_token(t)
+        seq.append_token(t)
     if seed is not None:
-        r.generator = torch.Generator().manual_seed(seed)
-    return r
+        seq.generator = torch.Generator().manual_seed(seed)
+    return seq
 
 
 def sample(logits, reqs, seed=0):
@@ -105,7 +103,7 @@ def test_logprobs_are_raw_and_ranked():
 
 @pytest.mark.parametrize("bad", [
     dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.5),
-    dict(max_tokens=-1), dict(max_tokens=0), dict(n=2), dict(logprobs=21), dict(stop=[""]),
+    dict(max_tokens=-1), dict(max_tokens=0), dict(n=0), dict(logprobs=21), dict(stop=[""]),
     dict(repetition_penalty=0), dict(presence_penalty=3), dict(temperature=float("nan")),
     dict(min_tokens=5, max_tokens=2), dict(logprobs=True), dict(max_tokens=True),
     dict(temperature=True), dict(seed=True), dict(seed=2**64), dict(seed="7"),

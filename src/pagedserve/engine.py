@@ -1,31 +1,38 @@
 """LLMEngine (add_request / step / abort_request) and the offline ``LLM`` API on top of it.
 
-One step = schedule -> run the model -> sample -> update requests (detokenize, stop checks) ->
-free the blocks of finished requests. Bad input is refused in ``add_request`` with a
-ValueError before anything is queued, so the engine keeps serving the other requests.
+One step = schedule -> run the model -> sample (forking n > 1 requests at their first token)
+or select beams -> update sequences (detokenize, stop checks) -> free the blocks of finished
+sequences. Bad input is refused in ``add_request`` with a ValueError before anything is
+queued, so the engine keeps serving the other requests.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from pagedserve.beam_search import BeamSearchState
 from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
 from pagedserve.core.block_manager import BlockManager, cdiv
+from pagedserve.core.block_pool import root_hash
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.kv.cache import KVCache, default_kv_cache_memory, num_blocks_for_memory
 from pagedserve.loader import open_model
 from pagedserve.model.layers import RotaryEmbedding
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
     CompletionOutput,
     KVCacheStats,
     Logprob,
@@ -33,9 +40,9 @@ from pagedserve.outputs import (
     RequestOutput,
 )
 from pagedserve.runner import ModelRunner
-from pagedserve.sampler import SamplerOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.sequence import Request, RequestStatus
+from pagedserve.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.sequence import Request, Sequence, SequenceStatus
 from pagedserve.tokenizer import (
     IncrementalDetokenizer,
     apply_chat_template,
@@ -58,12 +65,16 @@ class LLMEngine:
         device: "auto", "cpu", "cuda" or "cuda:N".
         block_size: token slots per KV block.
         max_model_len: longest prompt + output; default min(model's limit, KV capacity).
-        max_num_seqs: most requests running at once.
+        max_num_seqs: most sequences running at once (a request counts n, or its beam width).
         max_num_batched_tokens: most tokens computed in one step (prefill chunks + decodes).
         kv_cache_memory: KV cache bytes; default see ``pagedserve.kv.cache``.
         num_kv_blocks: exact number of KV blocks (overrides kv_cache_memory).
         seed: seed of the generator that unseeded random requests share.
         skip_tokenizer_init: run without a tokenizer (prompts as token ids, no text output).
+        enable_prefix_caching: reuse the KV blocks of equal prompt prefixes (default True).
+        preemption_mode: "recompute" (free blocks, re-prefill later) or "swap" (copy blocks
+            to a host pool of ``swap_space`` GiB; recompute when it is full).
+        swap_space: host swap pool size in GiB (used with preemption_mode="swap").
     Raises:
         FileNotFoundError, ValueError (ModelLoadError): bad model path or file, or options
         that do not fit together (the message names the numbers).
@@ -74,7 +85,8 @@ class LLMEngine:
                  max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 512, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
-                 skip_tokenizer_init: bool = False):
+                 skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
+                 preemption_mode: str = "recompute", swap_space: float = 4.0):
         _check_options(block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
@@ -82,6 +94,12 @@ class LLMEngine:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model must be a path or None, got {model!r}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
+                             f"got {preemption_mode!r}")
+        if not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool) \
+                or not 0 <= swap_space < 2**20:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         source = open_model(model)
@@ -128,14 +146,25 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                                 max_model_len)
         self.model.rotary = RotaryEmbedding(cfg, max_model_len).to(self.device)
-        self.kv_cache = KVCache.allocate(cfg, num_kv_blocks, block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, seed)
+        num_swap_blocks = 0
+        if preemption_mode == "swap":
+            num_swap_blocks = int(swap_space * 2**30) // (kv_bytes_per_token * block_size)
+        self.kv_cache = KVCache.allocate(cfg, num_kv_blocks, block_size, self.dtype, self.device,
+                                         num_swap_blocks)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
+                                          num_swap_blocks)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, preemption_mode)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
         self.peak_used_blocks = 0
         self.kv_token_utilization = 0.0
+        self._block_steps = [0, 0]  # sums over steps of (physical, logical) blocks in use
 
         logger.info(
             "model %s (%s, %d layers, %d/%d query/KV heads, head_dim %d): %.1f MB of %s weights "
@@ -150,14 +179,19 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache_salt) of a prompt string or prompt dict."""
+        salt = None
         if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {salt!r}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(
                         isinstance(t, int) and not isinstance(t, bool) for t in ids):
                     raise ValueError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), list(ids)
+                return prompt.get("prompt"), list(ids), salt
             if "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             prompt = prompt["prompt"]
@@ -165,26 +199,29 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("the engine runs without a tokenizer: pass prompt_token_ids")
-        return prompt, encode(self.tokenizer, prompt)
+        return prompt, encode(self.tokenizer, prompt), salt
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None, arrival_time: float | None = None
-                    ) -> Request:
-        """Validate and queue a request.
+                    params: SamplingParams | BeamSearchParams | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue a request. ``prompt`` is a string or a dict with "prompt" or
+        "prompt_token_ids" and optionally "cache_salt" (requests with different salts never
+        share prefix-cache blocks).
 
         Raises:
             ValueError: duplicate id; empty prompt; token id outside the vocabulary; prompt
                 longer than max_model_len, or prompt + max_tokens beyond it (the message
-                states the numbers); stop strings without a tokenizer.
+                states the numbers); a request whose sequences could never fit in the KV
+                cache together; stop strings without a tokenizer.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_token_ids(prompt)
+        text, ids, salt = self._prompt_token_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
         vocab = self.model_config.vocab_size
@@ -204,26 +241,52 @@ class LLMEngine:
         elif len(ids) + max_tokens > max_len:
             raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "
                              f"{len(ids) + max_tokens} tokens, more than max_model_len={max_len}")
-        if params.stop_strings and self.tokenizer is None:
+        beam = isinstance(params, BeamSearchParams)
+        width = params.beam_width if beam else params.n
+        self._check_fits(width, len(ids) + max_tokens)
+        if not beam and params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
-                                           params.include_stop_str_in_output,
-                                           params.skip_special_tokens)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
         request = Request(
-            request_id=request_id, prompt=text, prompt_token_ids=ids, sampling_params=params,
+            request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
             max_tokens=max_tokens, eos_token_ids=frozenset(self.model_config.eos_token_ids),
-            metrics=RequestMetrics(arrival_time or time.time()),
-            detokenizer=detok, generator=generator,
+            metrics=RequestMetrics(arrival_time or time.time()), root_hash=root_hash(salt),
+            arrival_index=next(self._arrivals),
         )
+        if beam:
+            request.beam = BeamSearchState(params, len(ids), request.eos_token_ids)
+        request.seqs.append(self._new_sequence(request, 0, list(ids)))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request
+
+    def _check_fits(self, num_seqs: int, seq_len: int) -> None:
+        cfg = self.scheduler_config
+        if num_seqs > cfg.max_num_seqs:
+            raise ValueError(f"the request runs {num_seqs} sequences, more than "
+                             f"max_num_seqs={cfg.max_num_seqs}")
+        need = num_seqs * cdiv(seq_len, self.cache_config.block_size)
+        if need > self.cache_config.num_blocks:
+            raise ValueError(
+                f"the request's {num_seqs} sequences of up to {seq_len} tokens need up to "
+                f"{need} KV blocks, more than the {self.cache_config.num_blocks} the cache has")
+        if num_seqs > cfg.max_num_batched_tokens:
+            raise ValueError(f"{num_seqs} beams need max_num_batched_tokens >= {num_seqs}, "
+                             f"it is {cfg.max_num_batched_tokens}")
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        params = request.params
+        seq = Sequence(next(self._seq_ids), request, index, token_ids)
+        if isinstance(params, SamplingParams):
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_token_ids, params.stop_strings,
+                    params.include_stop_str_in_output, params.skip_special_tokens)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device)
+                seq.generator.manual_seed(_derive_seed(params.seed, index))
+            if params.logprobs is not None:
+                seq.logprobs = []
+        return seq
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their blocks. Unknown or finished ids are ignored."""
@@ -234,7 +297,10 @@ class LLMEngine:
                              f"got {request_ids!r}")
         aborted = [self.requests.pop(i) for i in request_ids if i in self.requests]
         for r in aborted:
-            r.status = RequestStatus.FINISHED_ABORTED
+            for s in r.live_seqs:
+                s.status = SequenceStatus.FINISHED_ABORTED
+            if r.beam is not None:
+                r.beam.done = True
             r.metrics.finished_time = time.time()
         self.scheduler.finish_requests(aborted)
 
@@ -242,7 +308,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        return len(self.requests)
 
     def next_request_id(self) -> str:
         """A request id not in use."""
@@ -254,128 +320,224 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for each request that produced something this
-        step (as its ``output_kind`` asks), finished ones included."""
+        step (as its ``output_kind`` asks; beam search requests only when finished)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not sched.preempted:
-                # Cannot happen: a request of max_model_len tokens fits in an empty cache.
+                # Cannot happen: add_request checked that every request fits an empty cache.
                 raise RuntimeError("the scheduler could not admit any waiting request")
             return []
         now = time.time()
-        for r, _ in sched.scheduled:
-            if r.metrics.first_scheduled_time is None:
-                r.metrics.first_scheduled_time = now
-        sampled_reqs, sampler_out = self.runner.execute(sched)
-        for r, n in sched.scheduled:
-            r.num_computed_tokens += n
+        for seq, _ in sched.scheduled:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+        seqs, logits = self.runner.execute(sched)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
         self._track_usage()
-        finished = self._process_samples(sampled_reqs, sampler_out) if sampler_out else []
-        outputs = [self._make_output(r) for r in sampled_reqs
-                   if r.is_finished or r.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY]
-        for r in finished:
-            del self.requests[r.request_id]
-        self.scheduler.finish_requests(finished)
+        touched = {id(s.request): s.request for s in seqs}
+        self._sample([(s, i) for i, s in enumerate(seqs) if s.request.beam is None], logits)
+        row = {id(s): i for i, s in enumerate(seqs)}
+        for request in touched.values():
+            if request.beam is not None:
+                self._beam_step(request, logits[[row[id(b)] for b in request.seqs]])
+        outputs = []
+        for request in touched.values():
+            if request.is_finished:
+                request.metrics.finished_time = now
+                del self.requests[request.request_id]
+                self.scheduler.finish_requests([request])
+                outputs.append(self._make_output(request))
+            elif request.beam is None and request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(request))
         if self.cache_config.debug_checks:
             self._check_kv()
         return outputs
 
     def _track_usage(self) -> None:
-        used = self.block_manager.pool.num_used_blocks
+        pool = self.block_manager.pool
+        live = [s for r in self.scheduler.running for s in r.live_seqs]
+        used = pool.num_used_blocks
+        self._block_steps[0] += used
+        self._block_steps[1] += sum(len(s.block_table) for s in live)
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
-            tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
-            self.kv_token_utilization = tokens / (used * self.cache_config.block_size)
+            bs = self.cache_config.block_size
+            filled: dict[int, int] = {}  # a block shared by sequences counts once
+            for s in live:
+                for i, b in enumerate(s.block_table):
+                    filled[b] = max(filled.get(b, 0), min(bs, s.num_computed_tokens - i * bs))
+            self.kv_token_utilization = sum(filled.values()) / (used * bs)
 
-    def _process_samples(self, requests: list[Request], out: SamplerOutput) -> list[Request]:
+    def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        """Sample one token for each (sequence, logits row); an n > 1 request forks at its
+        first token into n sequences sampling from the same row."""
+        if not rows:
+            return
+        seqs, index = [], []
+        for seq, i in rows:
+            request = seq.request
+            if request.params.n > 1 and len(request.seqs) == 1 and seq.num_output_tokens == 0:
+                for k in range(1, request.params.n):
+                    child = self._new_sequence(request, k, list(seq.token_ids))
+                    child.status = SequenceStatus.RUNNING
+                    self.block_manager.fork(seq, child)
+                    request.seqs.append(child)
+                    seqs.append(child)
+                    index.append(i)
+            seqs.append(seq)
+            index.append(i)
+        smd = build_sampling_metadata(seqs, self.model_config.vocab_size, self.device)
+        out = self.sampler(logits[index], smd, self.generator)
         now = time.time()
-        finished = []
-        for i, (r, token) in enumerate(zip(requests, out.token_ids)):
-            if r.metrics.first_token_time is None:
-                r.metrics.first_token_time = now
-            r.metrics.last_token_time = now
-            r.append_token(token)
-            if out.sampled_logprobs is not None and r.logprobs is not None:
-                self._record_logprobs(r, out, i)
-            if self._check_stop(r, token):
-                if r.detokenizer is not None and not r.detokenizer.finished:
-                    stop = r.detokenizer.flush()  # held-back text; may complete a stop string
+        for j, (seq, token) in enumerate(zip(seqs, out.token_ids)):
+            metrics = seq.request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            seq.append_token(token)
+            if out.sampled_logprobs is not None and seq.logprobs is not None:
+                self._record_logprobs(seq, out, j)
+            if self._check_stop(seq, token):
+                if seq.detokenizer is not None and not seq.detokenizer.finished:
+                    stop = seq.detokenizer.flush()  # held-back text; may complete a stop string
                     if stop is not None:
-                        r.status, r.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                r.metrics.finished_time = now
-                finished.append(r)
-        return finished
+                        seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                self.scheduler.finish_sequence(seq)
 
-    def _check_stop(self, r: Request, token: int) -> bool:
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Apply the stop rules in vLLM's order; set status/stop_reason. True if finished."""
-        p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in r.eos_token_ids:
-                r.status = RequestStatus.FINISHED_STOPPED
+        p = seq.request.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in seq.request.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
                 return True
             if token in p.stop_token_ids:
-                r.status, r.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
                 return True
-        if r.detokenizer is not None:
-            stop = r.detokenizer.add_token(token)
+        if seq.detokenizer is not None:
+            stop = seq.detokenizer.add_token(token)
             if stop is not None:
-                r.status, r.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                 return True
-        if r.num_output_tokens >= r.max_tokens:
-            r.status = RequestStatus.FINISHED_LENGTH
+        if seq.num_output_tokens >= seq.request.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH
             return True
         return False
 
-    def _record_logprobs(self, r: Request, out: SamplerOutput, i: int) -> None:
-        token = r.token_ids[-1]
+    def _beam_step(self, request: Request, logits: torch.Tensor) -> None:
+        """Select the next beams of a beam search request (``logits`` rows in
+        ``request.seqs`` order): a beam chosen again is forked (blocks shared), a beam not
+        chosen is freed."""
+        beams = request.seqs
+        chosen = request.beam.step(logits.log_softmax(dim=-1),
+                                   [b.output_token_ids for b in beams], beams[0].num_tokens)
+        continued: set[int] = set()
+        next_beams = []
+        for parent, token in chosen:  # best first, the order transformers keeps its beams in
+            if parent in continued:
+                child = self._new_sequence(request, 0, list(beams[parent].token_ids))
+                child.status = SequenceStatus.RUNNING
+                self.block_manager.fork(beams[parent], child)
+                next_beams.append((child, token))
+            else:
+                continued.add(parent)
+                next_beams.append((beams[parent], token))
+        for i, beam in enumerate(beams):
+            if i not in continued:
+                self.block_manager.free(beam)
+        for seq, token in next_beams:  # after the forks copied their parents' tokens
+            seq.append_token(token)
+        request.seqs = [seq for seq, _ in next_beams]
+
+    def _record_logprobs(self, seq: Sequence, out: SamplerOutput, i: int) -> None:
+        token = seq.token_ids[-1]
         entry = {token: Logprob(out.sampled_logprobs[i], out.sampled_ranks[i],
                                 self._decode_token(token))}
-        k = r.sampling_params.logprobs
+        k = seq.request.params.logprobs
         if k and out.top_ids is not None:
             for rank, (tid, lp) in enumerate(zip(out.top_ids[i][:k], out.top_logprobs[i][:k]), 1):
                 if tid not in entry:
                     entry[tid] = Logprob(lp, rank, self._decode_token(tid))
-        r.logprobs.append(entry)
-        r.cumulative_logprob += out.sampled_logprobs[i]
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += out.sampled_logprobs[i]
 
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _make_output(self, r: Request) -> RequestOutput:
-        kind = r.sampling_params.output_kind
-        token_ids = r.output_token_ids
-        text = r.detokenizer.stream_text() if r.detokenizer is not None else ""
-        logprobs = r.logprobs
-        if kind == RequestOutputKind.DELTA:
-            sent_tokens, sent_chars = r.delta_offsets
-            r.delta_offsets = (len(token_ids), len(text))
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        if request.beam is not None:
+            completions = [
+                CompletionOutput(index=i, text=self._decode(h.token_ids), token_ids=h.token_ids,
+                                 cumulative_logprob=h.cum_logprob, finish_reason="stop"
+                                 if h.token_ids[-1:] and h.token_ids[-1] in request.eos_token_ids
+                                 else "length")
+                for i, h in enumerate(request.beam.finished)]
+        else:
+            completions = [self._completion(s) for s in request.seqs]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, request.is_finished,
+                             num_cached_tokens=request.num_cached_tokens, metrics=request.metrics)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        token_ids = seq.output_token_ids
+        text = seq.detokenizer.stream_text() if seq.detokenizer is not None else ""
+        logprobs = seq.logprobs
+        if seq.request.params.output_kind == RequestOutputKind.DELTA:
+            sent_tokens, sent_chars = seq.delta_offsets
+            seq.delta_offsets = (len(token_ids), len(text))
             token_ids, text = token_ids[sent_tokens:], text[sent_chars:]
             logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(token_ids),
-            cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+        return CompletionOutput(
+            index=seq.index, text=text, token_ids=list(token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             logprobs=list(logprobs) if logprobs is not None else None,
-            finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
+            finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
         )
-        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion],
-                             r.is_finished, num_cached_tokens=0, metrics=r.metrics)
 
     def _check_kv(self) -> None:
         s = self.scheduler
-        self.block_manager.pool.check_invariants(
-            [r.block_table for r in itertools.chain(s.running, s.waiting)])
+        requests = itertools.chain(s.running, s.waiting, s.swapped)
+        seqs = [q for r in requests for q in r.seqs if not q.is_finished]
+        self.block_manager.pool.check_invariants([q.block_table for q in seqs])
+        if self.block_manager.swap_pool is not None:
+            self.block_manager.swap_pool.check_invariants([q.swap_table for q in seqs])
 
     # ---- introspection --------------------------------------------------------------------
 
     def kv_cache_stats(self) -> KVCacheStats:
-        pool = self.block_manager.pool
+        bm = self.block_manager
+        pool = bm.pool
+        physical, logical = self._block_steps
         return KVCacheStats(
             num_blocks=pool.num_blocks, block_size=self.cache_config.block_size,
-            num_free_blocks=pool.num_free_blocks, num_used_blocks=pool.num_used_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
+            num_used_blocks=pool.num_used_blocks,
             peak_used_blocks=self.peak_used_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             kv_token_utilization=self.kv_token_utilization,
             kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype),
+            num_cached_blocks=pool.num_cached_blocks,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_swapped_out_blocks=bm.num_swapped_out_blocks,
+            num_swapped_in_blocks=bm.num_swapped_in_blocks,
+            kv_sharing_saving=1 - physical / logical if logical else 0.0,
         )
+
+
+def _derive_seed(seed: int, index: int) -> int:
+    """Sequence ``index``'s seed: the request seed itself for 0, else a hash of both, so the
+    n sequences of a seeded request draw independent, reproducible streams."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 _MAX_BLOCK_SIZE = 1024
@@ -408,8 +570,8 @@ class LLM:
     def kv_cache_stats(self) -> KVCacheStats:
         return self.llm_engine.kv_cache_stats()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput each, in input order.
 
@@ -417,11 +579,7 @@ class LLM:
         ``sampling_params``: one for all prompts or one per prompt (default SamplingParams()).
         Raises ValueError for a bad prompt or parameter; nothing is left queued then.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a dict or a list of them, "
-                             f"got {type(prompts).__name__}")
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -434,7 +592,7 @@ class LLM:
         return self._run(prompts, final, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
@@ -452,7 +610,24 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (beams share KV blocks, copy-on-write); returns each
+        prompt's finished beams, best first, in input order. Raises ValueError for bad input."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_prompt_list(prompts)
+        results = []
+        for out in self._run(prompts, [params] * len(prompts), use_tqdm):
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(
+                    tokens=out.prompt_token_ids + c.token_ids, text=c.text,
+                    cum_logprob=c.cumulative_logprob,
+                    score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty)
+                for c in out.outputs]))
+        return results
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams | BeamSearchParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
@@ -472,7 +647,7 @@ class LLM:
                         if out.finished and out.request_id in pending:
                             pending.discard(out.request_id)
                             results[out.request_id] = out
-                            out_tokens += len(out.outputs[0].token_ids)
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
                             bar.update(1)
                             bar.set_postfix_str(
                                 f"output {out_tokens / (time.perf_counter() - t0):.1f} tok/s")
@@ -480,3 +655,12 @@ class LLM:
         finally:
             engine.abort_request(ids)  # nothing of ours stays queued after an error
 
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a dict or a list of them, "
+                         f"got {type(prompts).__name__}")
+    return list(prompts)

@@ -67,11 +67,34 @@ class RequestOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """A finished beam: all token ids (prompt + generated), the generated text, the summed
+    logprob of the generated tokens and the length-penalised score beams are ranked by."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best beams of one prompt, best first (at most beam_width)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class KVCacheStats:
     """A snapshot of the paged KV cache.
 
-    ``kv_token_utilization`` is measured at the step with the most blocks in use: slots holding
-    real K/V state divided by the slots of all allocated blocks (1.0 means no waste inside blocks).
+    Blocks: ``num_free_blocks`` (empty) + ``num_cached_blocks`` (free but holding a reusable
+    prefix) + ``num_used_blocks`` (referenced) == ``num_blocks``. ``kv_token_utilization`` is
+    measured at the step with the most blocks in use: slots holding real K/V state divided by
+    the slots of all allocated blocks. ``prefix_cache_queries`` / ``prefix_cache_hits`` count
+    prompt tokens looked up / found in the prefix cache. ``kv_sharing_saving`` is the share of
+    block memory saved by sharing (prefix hits, forks), averaged over steps: 1 - (blocks used)
+    / (blocks the sequences' tables hold, counted per sequence).
     """
 
     num_blocks: int
@@ -82,3 +105,9 @@ class KVCacheStats:
     num_preemptions: int
     kv_token_utilization: float
     kv_bytes_per_token: int = 0
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    kv_sharing_saving: float = 0.0

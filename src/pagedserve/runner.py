@@ -1,5 +1,5 @@
-"""ModelRunner: one scheduled batch -> input tensors and AttentionMetadata -> forward -> sampled
-tokens.
+"""ModelRunner: one scheduled batch -> block copies, input tensors and AttentionMetadata ->
+forward -> logits of the sequences that sample.
 
 Tokens of a step are laid out decodes first, sorted by context length and cut into groups of
 similar length, then the prefill chunks (see attention/metadata.py). Only the rows of requests whose scheduled chunk reaches their last token are projected to
@@ -14,8 +14,7 @@ from pagedserve.attention.metadata import AttentionMetadata, build_group
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.kv.cache import KVCache
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.sampler import Sampler, SamplerOutput, build_sampling_metadata
-from pagedserve.sequence import Request
+from pagedserve.sequence import Sequence
 
 # A decode group closes when the next request needs more than this many times the blocks of the
 # group's first (shortest) request, if the group already has MIN_GROUP_SEQS requests: padding
@@ -24,7 +23,7 @@ GROUP_GROWTH = 2
 MIN_GROUP_SEQS = 8
 
 
-def split_decodes(decodes: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
+def split_decodes(decodes: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
     """Decodes sorted by block-table length, cut into groups of similar length."""
     if not decodes:
         return []
@@ -41,18 +40,13 @@ def split_decodes(decodes: list[tuple[Request, int]]) -> list[list[tuple[Request
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
-                 seed: int):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
         cfg = model.config
         self.num_queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.vocab_size = cfg.vocab_size
-        self.sampler = Sampler()
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
         self._k_workspace = self._v_workspace = torch.empty(0)
 
     def _workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,20 +59,29 @@ class ModelRunner:
             self._v_workspace = torch.empty_like(self._k_workspace)
         return self._k_workspace, self._v_workspace
 
-    def _group(self, items: list[tuple[Request, int]]):
+    def _group(self, items: list[tuple[Sequence, int]]):
         return build_group(
             [n for _, n in items],
-            [r.num_computed_tokens + n for r, n in items],
-            [r.block_table for r, _ in items],
+            [s.num_computed_tokens + n for s, n in items],
+            [s.block_table for s, _ in items],
             self.block_size, self.num_queries_per_kv, self.device,
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step. Returns the requests that sampled a token and the sampler's output
-        (rows in the same order). Does not change any request."""
-        groups = split_decodes([(r, n) for r, n in sched.scheduled if n == 1])
-        prefills = [(r, n) for r, n in sched.scheduled if n > 1]
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Run one step: swap-out, swap-in and copy-on-write block copies, then the forward.
+        Returns the sequences whose scheduled chunk reaches their last token and their logits
+        [num_sequences, vocab] float32 (rows in the same order). Changes no sequence."""
+        if sched.blocks_to_swap_out:
+            self.kv_cache.swap_out(sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.kv_cache.swap_in(sched.blocks_to_swap_in)
+        if sched.blocks_to_copy:
+            self.kv_cache.copy_blocks(sched.blocks_to_copy)
+        if not sched.scheduled:
+            return [], None
+        groups = split_decodes([(s, n) for s, n in sched.scheduled if n == 1])
+        prefills = [(s, n) for s, n in sched.scheduled if n > 1]
         if prefills:
             groups.append(prefills)
         bs = self.block_size
@@ -86,16 +89,16 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        for r, n in (item for group in groups for item in group):
-            start = r.num_computed_tokens
-            input_ids.extend(r.token_ids[start:start + n])
+        sample_seqs: list[Sequence] = []
+        for seq, n in (item for group in groups for item in group):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            table = r.block_table
+            table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == r.num_tokens:
+            if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(r)
+                sample_seqs.append(seq)
         attn_groups = [self._group(g) for g in groups]
         k_ws, v_ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
         md = AttentionMetadata(
@@ -107,9 +110,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache.layers, md,
         )
-        if not sample_reqs:
+        if not sample_seqs:
             return [], None
-        logits = self.model.compute_logits(
-            hidden[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)])
-        smd = build_sampling_metadata(sample_reqs, self.vocab_size, self.device)
-        return sample_reqs, self.sampler(logits, smd, self.generator)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        return sample_seqs, self.model.compute_logits(hidden[rows])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.sequence import Request
+from pagedserve.sequence import Sequence
 
 
 @dataclass
@@ -55,10 +55,10 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None = None
 
 
-def build_sampling_metadata(requests: list[Request], vocab_size: int,
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
                             device: torch.device) -> SamplingMetadata:
-    """Tensors for the rows of ``requests`` (one row each, in order)."""
-    params = [r.sampling_params for r in requests]
+    """Tensors for the rows of ``seqs`` (one row each, in order)."""
+    params = [s.request.params for s in seqs]
     b = len(params)
     greedy = [p.is_greedy for p in params]
 
@@ -79,17 +79,17 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int,
         repetition = tensor([p.repetition_penalty for p in params])
         counts = torch.zeros(b, vocab_size, device=device)
         prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
-        for i, (r, p) in enumerate(zip(requests, params)):
+        for i, (seq, p) in enumerate(zip(seqs, params)):
             if not p.has_penalties:
                 continue
-            out = r.output_token_ids
+            out = seq.output_token_ids
             if out:
                 counts[i].index_add_(0, tensor(out, torch.int64), torch.ones(len(out), device=device))
-            prompt_mask[i, tensor(r.prompt_token_ids, torch.int64)] = True
+            prompt_mask[i, tensor(seq.request.prompt_token_ids, torch.int64)] = True
     banned = []
-    for i, (r, p) in enumerate(zip(requests, params)):
-        if r.num_output_tokens < p.min_tokens:
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+    for i, (seq, p) in enumerate(zip(seqs, params)):
+        if seq.num_output_tokens < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seq.request.eos_token_ids))
             if ids:
                 banned.append((i, ids))
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -100,8 +100,8 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int,
         greedy=tensor(greedy, torch.bool),
         all_greedy=all(greedy),
         top_k=top_k, top_p=top_p, min_p=min_p,
-        generators={i: r.generator for i, r in enumerate(requests)
-                    if r.generator is not None and not greedy[i]},
+        generators={i: seq.generator for i, seq in enumerate(seqs)
+                    if seq.generator is not None and not greedy[i]},
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         output_counts=counts, prompt_mask=prompt_mask,
         banned=banned,

@@ -35,13 +35,15 @@ class SamplingParams:
     """How to pick each new token and when to stop.
 
     Args:
-        n: sequences per request. Only 1 is supported for now.
+        n: sequences per request (parallel sampling). They share the prompt's KV blocks and
+            copy a block only when they write into it (copy-on-write).
         temperature: >= 0; 0 means greedy.
         top_p: nucleus mass in (0, 1]. top_k: 0 or -1 disables, else >= 1. min_p: in [0, 1].
         presence_penalty, frequency_penalty: in [-2, 2], OpenAI semantics, over generated tokens.
         repetition_penalty: in [1e-4, 1e4] (1 = off), CTRL/HF semantics (Keskar et al. 2019),
             over prompt + output.
         seed: per-request seed; a seeded request's tokens do not depend on its batch-mates.
+            With n > 1, sequence i draws from its own stream derived from (seed, i).
         stop: strings that end generation (left out of the text unless
             include_stop_str_in_output). stop_token_ids: token ids that end generation.
         ignore_eos: keep generating past EOS. max_tokens: None means up to max_model_len.
@@ -104,8 +106,6 @@ class SamplingParams:
             fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.n < 1:
             fail(f"n must be at least 1, got {self.n}")
-        if self.n > 1:
-            fail(f"n > 1 is not supported yet, got n={self.n}")
         if self.temperature < 0:
             fail(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -147,3 +147,41 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (vLLM's name), scored as transformers' ``generate(num_beams=...)`` does.
+
+    Args:
+        beam_width: live beams (>= 1). Beams share KV blocks and copy one on write.
+        max_tokens: most tokens generated per beam (>= 1).
+        ignore_eos: keep beams running past EOS.
+        length_penalty: a finished beam scores sum(logprobs) / generated_len ** length_penalty.
+        early_stopping: transformers' semantics: True stops once beam_width beams finished;
+            False stops when no running beam can still beat the worst finished one, judged at
+            the current length; "never" judges at the longest possible length when
+            length_penalty > 0.
+    Raises:
+        ValueError: a value out of range, naming the field.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        lp = self.length_penalty
+        if not (_is_int(lp) or isinstance(lp, float)) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', "
+                             f"got {self.early_stopping!r}")

@@ -1,34 +1,44 @@
-"""Per-request state: token ids, ``num_computed_tokens``, block table and status.
+"""Per-request and per-sequence state.
 
-Invariants: ``token_ids`` = prompt + generated tokens; the K/V of ``token_ids[:num_computed_tokens]``
-sit in the slots of ``block_table`` (slot of position p: ``block_table[p // block_size] *
-block_size + p % block_size``). A request with ``num_computed_tokens < num_tokens`` still has
-tokens to compute (prefill, or re-prefill after preemption); one with exactly one uncomputed token
-is decoding.
+A ``Request`` is what a user sent: one prompt and its parameters. It owns one or more
+``Sequence``s: one for n=1, n after the first sampled token for parallel sampling (forked from
+the prompt's sequence, sharing its blocks), up to beam_width live beams for beam search.
+
+Invariants of a Sequence: ``token_ids`` = prompt + generated tokens; the K/V of
+``token_ids[:num_computed_tokens]`` sit in the slots of ``block_table`` (position p at
+``block_table[p // block_size] * block_size + p % block_size``); ``block_hashes[i]`` is the
+prefix-cache hash of full block i of ``token_ids``; the first ``num_cached_blocks`` blocks of
+``block_table`` are registered in the prefix cache. While swapped out, ``swap_table`` holds the
+host blocks and ``block_table`` is empty.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.outputs import RequestMetrics, SampleLogprobs
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer
 
+if TYPE_CHECKING:
+    from pagedserve.beam_search import BeamSearchState
 
-class RequestStatus(enum.IntEnum):
+
+class SequenceStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= SequenceStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:
@@ -36,49 +46,37 @@ class RequestStatus(enum.IntEnum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
 
 @dataclass(eq=False)
-class Request:
-    """One request (one sequence: n=1) moving through waiting -> running -> finished.
+class Sequence:
+    """One token stream of a request, the unit that owns a block table."""
 
-    ``max_tokens`` is resolved (never None); ``generator`` is set for seeded requests so their
-    random draws come from their own stream; ``detokenizer`` is None when the engine runs
-    without a tokenizer.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    max_tokens: int
-    eos_token_ids: frozenset[int]
-    metrics: RequestMetrics
+    seq_id: int
+    request: Request
+    index: int
+    token_ids: list[int]
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
-    token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    swap_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
-    num_preemptions: int = 0
     # (tokens, characters) already returned in RequestOutputKind.DELTA outputs.
     delta_offsets: tuple[int, int] = (0, 0)
 
-    def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.logprobs is not None:
-            self.logprobs = []
-
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.request.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -86,11 +84,11 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
@@ -98,3 +96,44 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt with its parameters and its sequences.
+
+    ``max_tokens`` is resolved (never None). ``root_hash`` seeds the prefix-cache hash chain of
+    this request's blocks; it depends on the ``cache_salt`` so that different salts never
+    share blocks. ``beam`` is the beam-search state for beam requests, else None.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    metrics: RequestMetrics
+    root_hash: bytes = b""
+    arrival_index: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    beam: BeamSearchState | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences this request may run at once: n, or the beam width."""
+        if isinstance(self.params, BeamSearchParams):
+            return self.params.beam_width
+        return self.params.n
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return bool(self.seqs) and all(s.is_finished for s in self.seqs)

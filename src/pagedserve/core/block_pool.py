@@ -1,58 +1,118 @@
-"""Physical KV blocks: a FIFO free queue and a reference count per block.
+"""Physical KV blocks: reference counts, an LRU free queue, and the prefix cache's hash map.
+
+Automatic prefix caching (as in vLLM, after SGLang's RadixAttention, Zheng et al. 2024): a
+full block is identified by a hash chained from its parent block's hash and its token ids, so
+equal prefixes map to equal hashes. A block whose last reference is dropped keeps its hash and
+stays reusable ("cached") in the free queue until its memory is needed; the queue's front is the
+least recently freed block, evicted first, and eviction clears the hash.
 
 Invariants (checked every step when ``PAGEDSERVE_DEBUG_KV=1``): a block is in the free queue
-exactly when its ref count is 0; no block is in the queue twice; ref counts are never negative;
-``num_free_blocks + num_used_blocks == num_blocks``.
+exactly when its ref count is 0; ref counts are never negative; ``cached[h] == b`` implies
+``block_hash[b] == h``; ``num_free (unhashed) + num_cached (hashed, evictable) + num_used ==
+num_blocks``.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """sha256 of the parent block's hash and this block's token ids. A cryptographic hash, so a
+    crafted prompt cannot collide with another request's blocks."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block; different salts never share a block."""
+    return hashlib.sha256(b"pagedserve|" + (cache_salt or "").encode("utf-8", "surrogatepass")).digest()
 
 
 class BlockPool:
-    """Hands out block ids in ``[0, num_blocks)`` and takes them back.
+    """Block ids ``[0, num_blocks)`` with ref counts; with ``enable_caching``, full blocks can
+    be registered under their hash and found again after they are freed."""
 
-    Blocks are not tied to any request here; block tables live with the requests
-    (:class:`pagedserve.core.block_manager.BlockManager`).
-    """
-
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, enable_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
-        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # ref-count-0 blocks, front = least recently freed = evicted first
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.num_cached_free = 0  # hashed blocks in the free queue
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free ones plus cached (evictable) ones."""
         return len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_free
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (ref count 1 each). Raises RuntimeError if fewer are free."""
+        """Take ``n`` blocks from the front of the free queue (ref count 1 each), evicting their
+        cached content. Raises RuntimeError if fewer are free."""
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, only {len(self.free_queue)} free")
-        blocks = [self.free_queue.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:  # evict: the block's old content is no longer findable
+                self.num_cached_free -= 1
+                self.block_hash[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
             self.ref_cnt[b] = 1
+            blocks.append(b)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 go to the back of the queue
-        in the order given."""
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take one more reference on each block (a prefix-cache hit or a fork); a cached free
+        block leaves the free queue."""
+        for b in blocks:
+            if self.ref_cnt[b] == 0:
+                del self.free_queue[b]
+                if self.block_hash[b] is not None:
+                    self.num_cached_free -= 1
+            self.ref_cnt[b] += 1
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block; blocks reaching 0 go to the back of the free
+        queue in the order given (pass a block table reversed: tails are evicted before the
+        prefixes other requests may share)."""
         for b in blocks:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                self.free_queue.append(b)
+                self.free_queue[b] = None
+                if self.block_hash[b] is not None:
+                    self.num_cached_free += 1
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: int, block_hash: bytes) -> None:
+        """Register a full, computed block under its hash (no-op if the hash is known)."""
+        if block_hash not in self.cached and self.block_hash[block] is None:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
 
     def check_invariants(self, block_tables: list[list[int]]) -> None:
         """Assert the pool agrees with the live block tables. Raises AssertionError."""
-        free = set(self.free_queue)
-        assert len(free) == len(self.free_queue), "a block is in the free queue twice"
+        assert len(self.free_queue) == len(set(self.free_queue)), "a block is free twice"
         refs = [0] * self.num_blocks
         for table in block_tables:
             for b in table:
@@ -60,7 +120,11 @@ class BlockPool:
         for b in range(self.num_blocks):
             assert self.ref_cnt[b] >= 0, f"block {b} has negative ref count {self.ref_cnt[b]}"
             assert self.ref_cnt[b] == refs[b], (
-                f"block {b}: ref count {self.ref_cnt[b]} but {refs[b]} block tables hold it"
-            )
-            assert (b in free) == (refs[b] == 0), f"block {b}: free-queue state disagrees"
-        assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
+                f"block {b}: ref count {self.ref_cnt[b]} but {refs[b]} block tables hold it")
+            assert (b in self.free_queue) == (refs[b] == 0), f"block {b}: free-queue state disagrees"
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, f"block {b}: stale prefix-cache entry"
+        hashed_free = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+        assert hashed_free == self.num_cached_free, "cached-block count disagrees"
+        num_free = len(self.free_queue) - self.num_cached_free
+        assert num_free + self.num_cached_free + self.num_used_blocks == self.num_blocks
