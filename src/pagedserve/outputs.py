@@ -21,13 +21,15 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (seconds, ``time.time()``) of a request's life."""
+    """Wall-clock timestamps (seconds, ``time.time()``) of a request's life, and how often it
+    was preempted."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

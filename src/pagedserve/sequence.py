@@ -119,7 +119,6 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     beam: BeamSearchState | None = None
     num_cached_tokens: int = 0
-    num_preemptions: int = 0
 
     @property
     def max_num_seqs(self) -> int:

@@ -93,7 +93,7 @@ class Scheduler:
             if hits or (seq.num_computed_tokens == 0 and not seq.block_table):
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += len(hits) * self.block_manager.block_size
-                if seq.request.num_preemptions == 0 and seq.index == 0:
+                if seq.request.metrics.num_preemptions == 0 and seq.index == 0:
                     seq.request.num_cached_tokens = len(hits) * self.block_manager.block_size
             self.block_manager.allocate(seq, n, hits, out.blocks_to_copy)
             out.scheduled.append((seq, n))
@@ -151,7 +151,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         seqs = request.live_seqs
-        request.num_preemptions += 1
+        request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(request)
         if self.preemption_mode == "swap":
