@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedserve.cli import main, parse_bytes
+from pagedserve.cli import build_parser, engine_kwargs, main, parse_bytes
 
 
 def test_parse_bytes():
@@ -130,3 +130,36 @@ def test_bad_jsonl_line_is_named(tiny_llama, tmp_path, capsys):
     rc = main(["generate", "--input", str(src), "--model", tiny_llama, "--num-kv-blocks", "64"])
     assert rc == 2
     assert "p.jsonl:2: top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_n_and_kv_flags_in_jsonl_batch(tiny_llama, tmp_path):
+    """n > 1 lines write every completion; the KV management flags reach the engine."""
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "hello there", "n": 3, "temperature": 1.0, "seed": 4}\n'
+                   '{"prompt": "hello there", "max_tokens": 2}\n')
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--input", str(src), "--output", str(out), "--model", tiny_llama,
+                 "--num-kv-blocks", "24", "--block-size", "4", "--no-chat", "--ignore-eos",
+                 "--max-tokens", "20", "--preemption-mode", "swap", "--swap-space", "0.01",
+                 "--no-enable-prefix-caching"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [len(c["token_ids"]) for c in rows[0]["outputs"]] == [20, 20, 20]
+    assert rows[0]["text"] == rows[0]["outputs"][0]["text"]
+    assert len({c["text"] for c in rows[0]["outputs"]}) > 1
+    assert "outputs" not in rows[1] and rows[1]["num_cached_tokens"] == 0
+    parser = build_parser()
+    kwargs = engine_kwargs(parser.parse_args(["generate", "x", "--preemption-mode", "swap",
+                                              "--swap-space", "0.5", "--no-enable-prefix-caching"]))
+    assert (kwargs["preemption_mode"], kwargs["swap_space"]) == ("swap", 0.5)
+    assert kwargs["enable_prefix_caching"] is False
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--preemption-mode", "drop", "invalid choice"),
+    ("--swap-space", "-1", "swap_space"),
+])
+def test_bad_kv_flags(flag, value, message, capsys):
+    parse_error = message.startswith("invalid")
+    with pytest.raises(SystemExit) if parse_error else contextlib.nullcontext():
+        assert main(["generate", "hi", flag, value, "--model", "/missing"]) == 2
+    assert message in capsys.readouterr().err

@@ -4,12 +4,20 @@ import logging as _logging
 import os as _os
 
 from pagedserve.engine import LLM, LLMEngine
-from pagedserve.outputs import CompletionOutput, KVCacheStats, Logprob, RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    KVCacheStats,
+    Logprob,
+    RequestOutput,
+)
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput",
-    "CompletionOutput", "Logprob", "KVCacheStats",
+    "CompletionOutput", "Logprob", "KVCacheStats", "BeamSearchParams", "BeamSearchOutput",
+    "BeamSearchSequence",
 ]
 __version__ = "0.1.0"
 

@@ -48,6 +48,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size, e.g. 2GiB (default: a share of free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="when blocks run out: free and re-prefill later, or copy to host memory")
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="host swap pool in GiB for --preemption-mode swap")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,6 +62,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 seed=args.seed if args.seed is not None else 0)
 
 
@@ -201,11 +209,19 @@ def _run_batch(llm, args: argparse.Namespace, rows) -> None:
 
 
 def _row(index: int, out) -> dict[str, Any]:
-    c = out.outputs[0]
-    return {"index": index, "prompt": out.prompt, "text": c.text,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids),
-            "token_ids": c.token_ids,
+    """One JSONL result: the first completion's fields at top level; with n > 1 every
+    completion also under "outputs", in index order."""
+    row = {"index": index, "prompt": out.prompt, **_completion_fields(out.outputs[0]),
+           "num_prompt_tokens": len(out.prompt_token_ids),
+           "num_cached_tokens": out.num_cached_tokens}
+    if len(out.outputs) > 1:
+        row["outputs"] = [_completion_fields(c) for c in out.outputs]
+    return row
+
+
+def _completion_fields(c) -> dict[str, Any]:
+    return {"text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "num_output_tokens": len(c.token_ids), "token_ids": c.token_ids,
             **({"logprobs": [{str(t): lp.logprob for t, lp in entry.items()}
                              for entry in c.logprobs]} if c.logprobs is not None else {})}
 
