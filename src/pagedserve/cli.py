@@ -1,4 +1,5 @@
 """The ``pagedserve`` command: ``pagedserve generate PROMPT`` streams an answer to the terminal;
+``pagedserve serve`` runs the OpenAI-compatible HTTP server;
 ``pagedserve generate --input prompts.jsonl --output out.jsonl`` runs a batch.
 
 Bad input (a bad option value, a missing model, a malformed JSONL line) ends with one line
@@ -268,6 +269,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def served_model_name(model_path: Any) -> str:
+    """The default model name clients send: the file or directory name without .gguf."""
+    name = Path(str(model_path)).name
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_num_waiting is not None and args.max_num_waiting < 0:
+        raise ValueError(f"--max-num-waiting must be >= 0, got {args.max_num_waiting}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("PAGEDSERVE_API_KEY")
+    if api_key == "":
+        raise ValueError("the API key is empty")
+    from pagedserve.engine import LLMEngine
+    from pagedserve.server import run_server
+
+    engine = LLMEngine(**engine_kwargs(args))
+    run_server(engine, args.served_model_name or served_model_name(engine.model_path),
+               host=args.host, port=args.port, api_key=api_key,
+               max_num_waiting=args.max_num_waiting, max_body_bytes=args.max_body_bytes,
+               log_level=args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedserve", description="LLM inference on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -295,6 +324,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="seed of the request and the engine")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    v.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model file's name)")
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* "
+                        "(default: $PAGEDSERVE_API_KEY, else no auth)")
+    v.add_argument("--max-num-waiting", type=int, default=None,
+                   help="answer 429 when this many requests already wait (default: no limit)")
+    v.add_argument("--max-body-bytes", type=parse_bytes, default=None,
+                   help="largest request body (default 16MiB)")
+    v.add_argument("--seed", type=int, default=None, help="the engine's seed")
+    v.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (info logs every request)")
+    add_engine_args(v)
+    v.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -165,6 +165,8 @@ class LLMEngine:
         self.peak_used_blocks = 0
         self.kv_token_utilization = 0.0
         self._block_steps = [0, 0]  # sums over steps of (physical, logical) blocks in use
+        self.num_prompt_tokens = 0  # prompts of requests that produced a first token
+        self.num_generation_tokens = 0  # tokens sampled (every sequence, every beam)
 
         logger.info(
             "model %s (%s, %d layers, %d/%d query/KV heads, head_dim %d): %.1f MB of %s weights "
@@ -390,12 +392,16 @@ class LLMEngine:
         smd = build_sampling_metadata(seqs, self.model_config.vocab_size, self.device)
         out = self.sampler(logits[index], smd, self.generator)
         now = time.time()
+        self.num_generation_tokens += len(seqs)
         for j, (seq, token) in enumerate(zip(seqs, out.token_ids)):
             metrics = seq.request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+                self.num_prompt_tokens += len(seq.request.prompt_token_ids)
             metrics.last_token_time = now
             seq.append_token(token)
+            metrics.num_generation_tokens = max(metrics.num_generation_tokens,
+                                                seq.num_output_tokens)
             if out.sampled_logprobs is not None and seq.logprobs is not None:
                 self._record_logprobs(seq, out, j)
             if self._check_stop(seq, token):
@@ -448,6 +454,15 @@ class LLMEngine:
                 self.block_manager.free(beam)
         for seq, token in next_beams:  # after the forks copied their parents' tokens
             seq.append_token(token)
+        self.num_generation_tokens += len(next_beams)
+        now = time.time()
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            self.num_prompt_tokens += len(request.prompt_token_ids)
+        request.metrics.last_token_time = now
+        request.metrics.num_generation_tokens = max(
+            (b.num_output_tokens for b in request.seqs),
+            default=request.metrics.num_generation_tokens)
         request.seqs = [seq for seq, _ in next_beams]
 
     def _record_logprobs(self, seq: Sequence, out: SamplerOutput, i: int) -> None:

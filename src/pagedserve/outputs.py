@@ -21,8 +21,8 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (seconds, ``time.time()``) of a request's life, and how often it
-    was preempted."""
+    """Wall-clock timestamps (seconds, ``time.time()``) of a request's life, how often it was
+    preempted, and how many tokens its longest sequence generated."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -30,6 +30,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_generation_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

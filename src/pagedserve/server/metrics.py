@@ -1,0 +1,101 @@
+"""Prometheus metrics of the server, with vLLM's metric names under a ``pagedserve:`` prefix.
+
+Updated in the engine thread after every step from the engine's own counters (so the values
+are consistent with ``kv_cache_stats``); each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedserve.engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                    160.0, 320.0, 640.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    """The gauges, counters and histograms; ``update`` is the AsyncEngine's step hook."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagedserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagedserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"pagedserve:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting.")
+        self.num_requests_swapped = gauge("num_requests_swapped",
+                                          "Requests preempted to host memory.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
+                                         "Share of KV blocks in use (1 = all).")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute or swap).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = counter("request_success", "Requests that finished.")
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Arrival to first token.", _LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("time_per_output_token_seconds",
+                                               "Mean time between output tokens of a request.",
+                                               _TPOT_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Arrival to finish.", _LATENCY_BUCKETS)
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
+        self._seen_first_token: set[str] = set()
+
+    def _advance(self, counter: Counter, key: str, total: int) -> None:
+        if total > self._last[key]:
+            counter.inc(total - self._last[key])
+        self._last[key] = total
+
+    def update(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        sched = engine.scheduler
+        pool = engine.block_manager.pool
+        self.num_requests_running.set(len(sched.running))
+        self.num_requests_waiting.set(len(sched.waiting))
+        self.num_requests_swapped.set(len(sched.swapped))
+        self.kv_cache_usage_perc.set(pool.num_used_blocks / pool.num_blocks)
+        self._advance(self.prefix_cache_queries, "queries", sched.prefix_cache_queries)
+        self._advance(self.prefix_cache_hits, "hits", sched.prefix_cache_hits)
+        self._advance(self.num_preemptions, "preemptions", sched.num_preemptions)
+        self._advance(self.prompt_tokens, "prompt", engine.num_prompt_tokens)
+        self._advance(self.generation_tokens, "generation", engine.num_generation_tokens)
+        # Requests that produced their first token this step; streams report every step,
+        # final-only requests only at the end, so look at the engine's live requests too.
+        for request in engine.requests.values():
+            m = request.metrics
+            if m.first_token_time is not None and request.request_id not in \
+                    self._seen_first_token:
+                self._seen_first_token.add(request.request_id)
+                self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+        for out in outputs:
+            m = out.metrics
+            if not out.finished or m is None:
+                continue
+            if out.request_id not in self._seen_first_token and m.first_token_time is not None:
+                self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+            self._seen_first_token.discard(out.request_id)
+            self.request_success.inc()
+            if m.finished_time is not None:
+                self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
+            generated = m.num_generation_tokens
+            if m.first_token_time is not None and m.last_token_time is not None \
+                    and generated > 1:
+                self.time_per_output_token.observe(
+                    (m.last_token_time - m.first_token_time) / (generated - 1))
+        self._seen_first_token.intersection_update(engine.requests)  # drop aborted ones

@@ -1,0 +1,123 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their translation into
+SamplingParams. Field names and defaults follow OpenAI's API and vLLM's extensions (top_k,
+min_p, repetition_penalty, ignore_eos, cache_salt). Unknown fields are ignored, as OpenAI
+clients send some we do not use; wrong types and out-of-range values are errors (400).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+Number = StrictFloat  # a JSON number (ints too), never a string or a boolean
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both POST endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    cache_salt: StrictStr | None = None
+    user: StrictStr | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (from SamplingParams) naming the field."""
+        fields: dict[str, Any] = dict(
+            n=self.n, seed=self.seed, max_tokens=max_tokens, logprobs=logprobs,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        if fields.get("top_k") == -1:  # OpenAI/vLLM clients send -1 for "off"
+            fields["top_k"] = 0
+        return SamplingParams(**fields)
+
+
+PromptInput = (StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: PromptInput
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: Annotated[list[StrictInt], Field(max_length=1_000_000)]
