@@ -163,3 +163,18 @@ def test_bad_kv_flags(flag, value, message, capsys):
     with pytest.raises(SystemExit) if parse_error else contextlib.nullcontext():
         assert main(["generate", "hi", flag, value, "--model", "/missing"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_jsonl_cache_salt(tiny_llama, tmp_path, capsys):
+    src = tmp_path / "p.jsonl"
+    line = {"prompt_token_ids": list(range(5, 30)), "max_tokens": 2}
+    src.write_text("\n".join(json.dumps(x) for x in [
+        line, line, {**line, "cache_salt": "tenant-b"}]) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--input", str(src), "--output", str(out), "--model", tiny_llama,
+                 "--num-kv-blocks", "64", "--block-size", "4", "--max-num-seqs", "1"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["num_cached_tokens"] for r in rows] == [0, 24, 0]
+    src.write_text(json.dumps({**line, "cache_salt": 5}) + "\n")
+    assert main(["generate", "--input", str(src), "--model", tiny_llama]) == 2
+    assert "cache_salt must be a string" in capsys.readouterr().err

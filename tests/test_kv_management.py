@@ -203,3 +203,59 @@ def test_beam_search_under_preemption(tiny_llama):
         got = llm.beam_search(prompts, params)
         assert [o.sequences[0].tokens for o in got] == [o.sequences[0].tokens for o in ref]
         assert llm.kv_cache_stats().num_preemptions > 0
+
+
+def _run_capped(llm, prompts, params, max_steps: int = 2000):
+    """Like generate(), but fails instead of hanging if the scheduler stops making progress."""
+    engine = llm.llm_engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    done = {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            return [done[str(i)] for i in range(len(prompts))]
+    engine.abort_request([str(i) for i in range(len(prompts))])
+    raise AssertionError(f"no progress after {max_steps} steps")
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("kind", ["n", "beam"])
+def test_multi_sequence_request_in_a_pool_it_barely_fits(tiny_llama, mode, kind):
+    """A request whose two sequences just fit the empty pool (2 x 2 blocks of 16) is
+    preempted by its neighbour's growth and must come back (a swap-in once asked for a block
+    per sequence more than the request's next step needs, and never came back)."""
+    from pagedserve.sampling_params import RequestOutputKind
+
+    prompt_a = [(7 * j) % 300 + 3 for j in range(16)]
+    prompt_b = [(11 * j) % 300 + 3 for j in range(14)]
+    final = RequestOutputKind.FINAL_ONLY
+    first = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=final)
+    second = (SamplingParams(n=2, seed=1, max_tokens=16, ignore_eos=True, output_kind=final)
+              if kind == "n" else BeamSearchParams(beam_width=2, max_tokens=16, ignore_eos=True))
+    prompts = [{"prompt_token_ids": prompt_b}, {"prompt_token_ids": prompt_a}]
+    roomy = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=64)
+    ref = _run_capped(roomy, prompts, [first, second])
+    tight = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=4, preemption_mode=mode)
+    outs = _run_capped(tight, prompts, [first, second])
+    assert tokens(outs) == tokens(ref)
+    assert tight.kv_cache_stats().num_preemptions > 0
+
+
+def test_bad_kv_options_and_params_are_value_errors(tiny_llama):
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
+        LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=8, enable_prefix_caching="no")
+    with pytest.raises(ValueError, match=r"swap_space must be a number of GiB in \[0, 2\*\*20\)"):
+        LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=8, swap_space=2**21)
+    for name in ("n", "top_k", "min_tokens"):
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            SamplingParams(**{name: None})
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=32)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match="beam_search"):
+        llm.generate(prompt, BeamSearchParams(beam_width=2, max_tokens=3))
+    with pytest.raises(ValueError, match="must be SamplingParams or a list"):
+        llm.generate(prompt, "temperature=0")
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids

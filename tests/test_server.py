@@ -466,3 +466,50 @@ def test_fuzz_chat(server, body):
 def test_server_is_clean_after_fuzzing(server, client):
     server.idle()
     assert client.completions.create(**OK_COMPLETION).choices[0].finish_reason
+
+
+# ---- the CLI --------------------------------------------------------------------------------
+
+
+def test_pagedserve_serve_prints_url_serves_and_stops_on_sigterm(tiny_llama):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDSERVE_API_KEY": "k1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "serve", "--model", tiny_llama, "--port", "0",
+         "--num-kv-blocks", "64", "--served-model-name", "tiny-cli"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        for line in proc.stderr:
+            m = re.search(r"serving 'tiny-cli' at (http://\S+/v1)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "no URL printed"
+        c = openai.OpenAI(base_url=url, api_key="k1", max_retries=0, timeout=30)
+        r = c.completions.create(model="tiny-cli", prompt="hello", max_tokens=3,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-num-waiting", "-1"], "--max-num-waiting must be >= 0"),
+    (["--host", "256.1.1.1", "--port", "0"], "cannot listen on 256.1.1.1:0"),
+])
+def test_serve_bad_flags_are_one_line_errors(tiny_llama, args, message, capsys):
+    from pagedserve.cli import main
+
+    assert main(["serve", "--model", tiny_llama, "--num-kv-blocks", "16", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -147,9 +147,14 @@ def _parse_jsonl(path: str, args: argparse.Namespace) -> list[tuple[int, dict, A
             if len(keys) != 1:
                 raise ValueError("give exactly one of 'prompt', 'messages', 'prompt_token_ids'")
             _check_prompt_field(keys[0], item[keys[0]])
-            fields = {**_sampling_fields(args),
-                      **{k: v for k, v in item.items() if k not in _PROMPT_KEYS}}
-            rows.append((lineno, {keys[0]: item[keys[0]]}, SamplingParams(**fields)))
+            fields = {**_sampling_fields(args), **{k: v for k, v in item.items()
+                                                   if k not in _PROMPT_KEYS + ("cache_salt",)}}
+            prompt = {keys[0]: item[keys[0]]}
+            if "cache_salt" in item:
+                if not isinstance(item["cache_salt"], str):
+                    raise ValueError(f"cache_salt must be a string, got {item['cache_salt']!r}")
+                prompt["cache_salt"] = item["cache_salt"]
+            rows.append((lineno, prompt, SamplingParams(**fields)))
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}:{lineno}: {e}") from e
     if not rows:
@@ -164,10 +169,13 @@ def _to_prompt(item: dict, args: argparse.Namespace, tokenizer: Any) -> Any:
     messages = item.get("messages")
     if messages is None and "prompt" in item and _use_chat(args, tokenizer):
         messages = [{"role": "user", "content": item["prompt"]}]
+    salt = {"cache_salt": item["cache_salt"]} if "cache_salt" in item else {}
     if messages is not None:
         text, ids = apply_chat_template(tokenizer, messages)
-        return {"prompt": text, "prompt_token_ids": ids}
-    return item.get("prompt", item)
+        return {"prompt": text, "prompt_token_ids": ids, **salt}
+    if "prompt" in item:
+        return {"prompt": item["prompt"], **salt}
+    return item
 
 
 def _run_batch(llm, args: argparse.Namespace, rows) -> None:
@@ -291,7 +299,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedserve.server import run_server
 
     engine = LLMEngine(**engine_kwargs(args))
-    run_server(engine, args.served_model_name or served_model_name(engine.model_path),
+    name = args.served_model_name or (
+        "SmolLM2-135M-Instruct" if args.model is None else served_model_name(engine.model_path))
+    run_server(engine, name,
                host=args.host, port=args.port, api_key=api_key,
                max_num_waiting=args.max_num_waiting, max_body_bytes=args.max_body_bytes,
                log_level=args.log_level)

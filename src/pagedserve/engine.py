@@ -99,7 +99,11 @@ class LLMEngine:
                              f"got {preemption_mode!r}")
         if not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool) \
                 or not 0 <= swap_space < 2**20:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
+            raise ValueError(f"swap_space must be a number of GiB in [0, 2**20), "
+                             f"got {swap_space!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, "
+                             f"got {enable_prefix_caching!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         source = open_model(model)
@@ -272,7 +276,7 @@ class LLMEngine:
                 f"the request's {num_seqs} sequences of up to {seq_len} tokens need up to "
                 f"{need} KV blocks, more than the {self.cache_config.num_blocks} the cache has")
         if num_seqs > cfg.max_num_batched_tokens:
-            raise ValueError(f"{num_seqs} beams need max_num_batched_tokens >= {num_seqs}, "
+            raise ValueError(f"{num_seqs} sequences need max_num_batched_tokens >= {num_seqs}, "
                              f"it is {cfg.max_num_batched_tokens}")
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -597,6 +601,13 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, BeamSearchParams) or (
+                isinstance(sampling_params, (list, tuple))
+                and any(isinstance(p, BeamSearchParams) for p in sampling_params)):
+            raise ValueError("BeamSearchParams go to llm.beam_search(), not generate()")
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

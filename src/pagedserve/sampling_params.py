@@ -92,7 +92,8 @@ class SamplingParams:
 
         for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
             value = getattr(self, name)
-            if value is not None and not _is_int(value):
+            optional = name in ("max_tokens", "logprobs", "seed")
+            if (value is not None or not optional) and not _is_int(value):
                 fail(f"{name} must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from pagedserve.core.block_pool import BlockPool, hash_block
@@ -161,9 +162,21 @@ class BlockManager:
         return list(host.items())
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Room for the swapped blocks plus one new block per sequence."""
+        """Room for the swapped blocks plus what the request's next step needs: blocks for
+        its uncomputed tokens and the copy-on-write copies of shared, partly filled last
+        blocks. Exact, so that a request that fits the empty pool (``_check_fits``) always
+        comes back once the pool is empty."""
         distinct = set(b for s in seqs for b in s.swap_table)
-        return len(distinct) + len(seqs) <= self.pool.num_free_blocks
+        needed = len(distinct)
+        last_holders = Counter(s.swap_table[-1] for s in seqs if s.swap_table)
+        for s in seqs:
+            needed += max(0, cdiv(s.num_tokens, self.block_size) - len(s.swap_table))
+        for s in seqs:
+            if s.swap_table and s.num_computed_tokens % self.block_size:
+                # of h sequences writing into one shared partial block, h - 1 copy it
+                needed += last_holders[s.swap_table[-1]] > 1
+                last_holders[s.swap_table[-1]] -= 1
+        return needed <= self.pool.num_free_blocks
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Bring swapped sequences back into free device blocks. Returns (host, device) pairs

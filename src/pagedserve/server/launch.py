@@ -1,10 +1,13 @@
-"""``pagedserve serve``: load the engine, bind the socket, run uvicorn until SIGINT/SIGTERM
-(uvicorn's handlers: in-flight responses end, the engine thread stops, exit status 0)."""
+"""``pagedserve serve``: load the engine, bind the socket, run uvicorn until SIGINT/SIGTERM.
+Either signal shuts down gracefully (uvicorn stops accepting, open responses get up to 5 s, the
+engine thread stops); then SIGTERM exits with status 0 and SIGINT with 130."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
+import threading
 
 from pagedserve.engine import LLMEngine
 
@@ -41,4 +44,11 @@ def run_server(engine: LLMEngine, served_model_name: str, host: str = "127.0.0.1
                     max_num_waiting=max_num_waiting,
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, on_ready=ready)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal after its graceful shutdown; let SIGTERM end as exit 0
+        signal.signal(signal.SIGTERM, _exit_zero)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _exit_zero(signum, frame) -> None:
+    raise SystemExit(0)
