@@ -207,6 +207,23 @@ class LLMEngine:
             raise ValueError("the engine runs without a tokenizer: pass prompt_token_ids")
         return prompt, encode(self.tokenizer, prompt), salt
 
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache_salt) of a prompt string or dict, checked as add_request
+        checks it: not empty, ids inside the vocabulary, at most max_model_len tokens.
+        Raises ValueError naming the numbers."""
+        text, ids, salt = self._prompt_token_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        max_len = self.scheduler_config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than "
+                             f"max_model_len={max_len}")
+        return text, ids, salt
+
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | None = None,
                     arrival_time: float | None = None) -> Request:
@@ -227,17 +244,8 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids, salt = self._prompt_token_ids(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        text, ids, salt = self.process_prompt(prompt)
         max_len = self.scheduler_config.max_model_len
-        if len(ids) > max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than "
-                             f"max_model_len={max_len}")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max_len - len(ids)

@@ -466,29 +466,16 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
         def run(e: LLMEngine) -> list[tuple[str, list[int]]]:
             out = []
             for p in prompts:
-                if isinstance(p, str):
-                    if e.tokenizer is None:
-                        raise ValueError("the server runs without a tokenizer")
-                    check_text(p)
-                    out.append((p, encode(e.tokenizer, p)))
-                else:
-                    ids = p["prompt_token_ids"]
-                    vocab = e.model_config.vocab_size
-                    if any(not 0 <= t < vocab for t in ids):
-                        raise ValueError(f"a token id is outside the vocabulary [0, {vocab})")
-                    out.append((e.tokenizer.decode(ids) if e.tokenizer else "", ids))
+                text, ids, _ = e.process_prompt({"prompt": p} if isinstance(p, str) else p)
+                if text is None:
+                    text = e.tokenizer.decode(ids) if e.tokenizer is not None else ""
+                out.append((text, ids))
             return out
 
         try:
             rendered = await async_engine.call(run)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        for _, ids in rendered:
-            if not ids:
-                raise APIError(400, "the prompt is empty (0 tokens)", param="prompt")
-            if len(ids) > serving.max_model_len:
-                raise APIError(400, f"the prompt has {len(ids)} tokens, more than "
-                                    f"max_model_len={serving.max_model_len}", param="prompt")
         choices = [{"index": i * body.n + k, "text": text, "logprobs": None,
                     "finish_reason": "length", "stop_reason": None}
                    for i, (text, _) in enumerate(rendered) for k in range(body.n)]
