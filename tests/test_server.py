@@ -151,6 +151,10 @@ def test_prompt_forms_and_echo(client):
     echo0 = client.completions.create(model=MODEL, prompt="a b c", max_tokens=0, echo=True)
     assert echo0.choices[0].text == "a b c" and echo0.choices[0].finish_reason == "length"
     assert echo0.usage.completion_tokens == 0
+    chunks = list(client.completions.create(model=MODEL, prompt="a b c", max_tokens=0,
+                                            echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].text == "a b c" and chunks[-1].usage.prompt_tokens > 0
 
 
 def test_chat_logprobs_and_max_completion_tokens(client):
@@ -210,8 +214,15 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("/v1/chat/completions", {**OK_CHAT, "messages": [{"content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {**OK_CHAT, "top_logprobs": 2}, 400, "logprobs"),
-    ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
     ("/v1/chat/completions", {**OK_CHAT, "model": "nope"}, 404, "nope"),
+    ("/v1/chat/completions", {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs must be in [0, 20]"),
+    ("/v1/chat/completions", {**OK_CHAT, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("/v1/completions", {**OK_COMPLETION, "best_of": 3}, 400, "best_of"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
 ])
@@ -223,6 +234,15 @@ def test_bad_input_gets_its_status_and_the_server_goes_on(server, client, path, 
     assert words in err["message"] and err["code"] == status
     assert client.completions.create(**OK_COMPLETION).choices[0].finish_reason
     server.idle()
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("n", 0),
+                                          ("max_completion_tokens", 0), ("stop", [""])])
+def test_field_errors_name_their_param(server, field, value):
+    r = _post(server, "/v1/chat/completions", {**OK_CHAT, field: value})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
 
 
 def test_prompt_plus_max_tokens_names_both_numbers(server):
@@ -255,6 +275,12 @@ def test_body_size_limit_auth_and_queue_limit(tiny_llama):
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="wrong").models.list()
         assert good.completions.create(**OK_COMPLETION).usage.completion_tokens
+        lower = _post(s, "/v1/completions", OK_COMPLETION, {"authorization": "bearer sekret"})
+        assert lower.status_code == 200  # the scheme name is case-insensitive (RFC 9110)
+        # more prompts than max_num_waiting in one request: accepted when nothing waits
+        many = _post(s, "/v1/completions", {**OK_COMPLETION, "prompt": ["a", "b", "c"]},
+                     {"authorization": "Bearer sekret"})
+        assert many.status_code == 200 and len(many.json()["choices"]) == 3
         big = {**OK_COMPLETION, "prompt": "x " * 5000}
         r = _post(s, "/v1/completions", big, headers={"authorization": "Bearer sekret"})
         assert r.status_code == 413
@@ -324,6 +350,11 @@ def test_twenty_clients_dropping_mid_stream_free_everything(slow_server):
     server.idle(timeout=2.0)
     assert not server.engine.requests
     assert server.engine.num_generation_tokens - before < 20 * 400  # aborted, not finished
+    deadline = time.time() + 2  # and /metrics says so, with no request after them
+    while (m := _metrics(server))["pagedserve:num_requests_running"] or \
+            m["pagedserve:kv_cache_usage_perc"]:
+        assert time.time() < deadline, m
+        time.sleep(0.05)
 
 
 def test_non_streaming_client_timeout_aborts(slow_server):

@@ -62,7 +62,7 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def _num_seats(self) -> int:
+    def num_seats(self) -> int:
         return sum(r.max_num_seqs for r in self.running)
 
     def _plan(self, request: Request, budget: int) -> list[tuple[Sequence, int, list[int]]]:
@@ -122,7 +122,7 @@ class Scheduler:
         while self.swapped:  # swapped requests come back before new ones are admitted
             request = self.swapped[0]
             seqs = request.live_seqs
-            if (self._num_seats() + request.max_num_seqs > self.config.max_num_seqs
+            if (self.num_seats() + request.max_num_seqs > self.config.max_num_seqs
                     or not bm.can_swap_in(seqs)):
                 return out
             self.swapped.pop(0)
@@ -136,7 +136,7 @@ class Scheduler:
                 budget -= sum(n for _, n, _ in items)
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self._num_seats() + request.max_num_seqs > self.config.max_num_seqs:
+            if self.num_seats() + request.max_num_seqs > self.config.max_num_seqs:
                 break
             items = self._plan(request, budget)
             if not items or not bm.can_allocate(items):

@@ -28,9 +28,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedserve.engine import LLMEngine
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import MAX_LOGPROBS
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError, TooManyRequestsError
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import (
@@ -98,12 +100,14 @@ class _Auth:
     """ASGI middleware: bearer-token auth on ``/v1/*`` (401 otherwise)."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             header = dict(scope.get("headers", [])).get(b"authorization", b"")
-            if not hmac.compare_digest(header, self.expected):
+            scheme, _, token = header.strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
+                                                                       self.expected):
                 body = json.dumps(error_body(401, "invalid or missing API key (send "
                                                   "'Authorization: Bearer <key>')",
                                              "AuthenticationError")).encode()
@@ -154,7 +158,10 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        raise APIError(400, "the client disconnected while sending the body") from None
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -191,6 +198,18 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         task.cancel()  # its requests are aborted; nobody is left to read an answer
         return Response(status_code=499)
     return task.result()
+
+
+def _bad_params(e: ValueError, body: BaseModel) -> APIError:
+    """A SamplingParams error as a 400 whose ``param`` is the field it names."""
+    name = str(e).split(" ", 1)[0]
+    return APIError(400, str(e), param=name if name in type(body).model_fields else None)
+
+
+def _check_supported(body: Any) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise APIError(400, f"{name} is not supported by this server", param=name)
 
 
 class OpenAIServing:
@@ -407,6 +426,7 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
     async def completions(request: Request):
         body: CompletionRequest = await _parse(request, CompletionRequest)
         serving.check_model(body.model)
+        _check_supported(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = _completion_prompts(body.prompt)
@@ -425,7 +445,7 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
         try:
             params = body.sampling_params(max_tokens, body.logprobs)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise _bad_params(e, body) from None
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [f"{rid}-{i}" for i in range(len(prompts))]
 
@@ -462,7 +482,7 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
             for i in ids:
                 async_engine.abort(i)
 
-    async def _echo_only(body: CompletionRequest, prompts: list[Any]) -> dict:
+    async def _echo_only(body: CompletionRequest, prompts: list[Any]) -> Any:
         def run(e: LLMEngine) -> list[tuple[str, list[int]]]:
             out = []
             for p in prompts:
@@ -479,9 +499,22 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
         choices = [{"index": i * body.n + k, "text": text, "logprobs": None,
                     "finish_reason": "length", "stop_reason": None}
                    for i, (text, _) in enumerate(rendered) for k in range(body.n)]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": served_model_name, "choices": choices,
-                "usage": serving.usage(sum(len(ids) for _, ids in rendered), 0, 0)}
+        response = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                    "created": int(time.time()), "model": served_model_name,
+                    "choices": choices,
+                    "usage": serving.usage(sum(len(ids) for _, ids in rendered), 0, 0)}
+        if not body.stream:
+            return response
+
+        async def events():
+            head = {k: response[k] for k in ("id", "object", "created", "model")}
+            for choice in choices:
+                yield _sse({**head, "choices": [choice]})
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": response["usage"]})
+            yield "data: [DONE]\n\n"
+
+        return _EventStream(events())
 
     async def _full_completion(body: CompletionRequest, rid: str, streams) -> dict:
         outs: list[RequestOutput] = await asyncio.gather(*(_last(s) for s in streams))
@@ -576,20 +609,24 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         serving.check_model(body.model)
+        _check_supported(body)
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-            else body.max_tokens
+        field = "max_completion_tokens" if body.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = getattr(body, field)
         if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}",
-                           param="max_tokens")
+            raise APIError(400, f"{field} must be at least 1, got {max_tokens}", param=field)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                f"{body.top_logprobs}", param="top_logprobs")
         top_k = body.top_logprobs or 0
         try:
             params = body.sampling_params(max_tokens, top_k if body.logprobs else None)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise _bad_params(e, body) from None
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 

@@ -96,12 +96,18 @@ class AsyncEngine:
         queues = [asyncio.Queue() for _ in requests]
 
         def add_all(engine: LLMEngine) -> None:
-            waiting = len(engine.scheduler.waiting)
-            if self.max_num_waiting is not None and waiting + len(requests) > \
-                    self.max_num_waiting:
-                raise TooManyRequestsError(
-                    f"{waiting} requests are already waiting (max_num_waiting="
-                    f"{self.max_num_waiting}); retry later")
+            if self.max_num_waiting is not None:
+                # Requests the next step admits (free seats) do not count as waiting. A request
+                # of several prompts is let in whenever nothing waits, so that one with more
+                # prompts than the limit is not refused forever.
+                sched = engine.scheduler
+                free = max(0, sched.config.max_num_seqs - sched.num_seats())
+                waiting = max(0, len(sched.waiting) - free)
+                after = max(0, len(sched.waiting) + len(requests) - free)
+                if after > self.max_num_waiting and (waiting or len(requests) == 1):
+                    raise TooManyRequestsError(
+                        f"{waiting} requests are already waiting (max_num_waiting="
+                        f"{self.max_num_waiting}); retry later")
             added = []
             try:
                 for (request_id, make_request), outputs in zip(requests, queues):
@@ -170,6 +176,7 @@ class AsyncEngine:
             while not self._stopping:
                 # Block for commands only when idle; otherwise drain what arrived and step.
                 block = not engine.has_unfinished_requests()
+                ran = False
                 while True:
                     try:
                         command = self._commands.get(block=block, timeout=0.5 if block else None)
@@ -178,8 +185,10 @@ class AsyncEngine:
                     if command is None:
                         return
                     self._run_command(command)
-                    block = False
+                    block, ran = False, True
                 if not engine.has_unfinished_requests():
+                    if ran:  # e.g. the last request was aborted: the gauges must show it
+                        self._after_step([])
                     continue
                 outputs = engine.step()
                 for out in outputs:
@@ -188,16 +197,19 @@ class AsyncEngine:
                         if out.finished:
                             del self._streams[out.request_id]
                         stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
-                if self.on_step is not None:
-                    try:
-                        self.on_step(engine, outputs)
-                    except Exception:
-                        logger.exception("metrics hook failed")
+                self._after_step(outputs)
         except BaseException as e:
             logger.exception("the engine thread failed")
             self.error = e
         finally:
             self._close_all()
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, outputs)
+            except Exception:
+                logger.exception("metrics hook failed")
 
     def _close_all(self) -> None:
         """End every open stream (error or shutdown) and fail pending commands."""

@@ -45,6 +45,27 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     cache_salt: StrictStr | None = None
     user: StrictStr | None = None
+    # Accepted by OpenAI or vLLM but not implemented here: refused unless left at "off", so
+    # that a request never silently gets something else than it asked for.
+    logit_bias: dict[str, Any] | None = None
+    best_of: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def unsupported(self) -> str | None:
+        """The name of a set field this server does not implement, if any."""
+        if self.logit_bias:
+            return "logit_bias"
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            return "best_of"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
+        return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) naming the field."""
