@@ -1,9 +1,9 @@
 """Online serving under Poisson arrivals: pagedserve's OpenAI server against HF transformers'
-server (``transformers serve --continuous-batching``), same model, weights (float32), machine
-and client, one server at a time.
+server (``transformers serve --continuous-batching``), same model, weights dtype (``--dtype``,
+bfloat16 by default), KV budget, machine and client, one server at a time.
 
-    python benchmarks/serving.py                       # both servers, default rates
-    python benchmarks/serving.py --rates 0.1 0.2 --skip-peer
+    python benchmarks/serving.py                       # both servers, bfloat16, 64 requests/rate
+    python benchmarks/serving.py --dtype float32 --rates 0.5 1 --skip-peer
 
 Workload: ShareGPT-like prompt lengths (log-normal, mean 160 tokens; windows of real English
 text, sent as text) and output lengths (log-normal, mean ``--output-mean`` tokens, clipped to
@@ -179,12 +179,13 @@ def sweep(name: str, url: str, model: str, work, rates: list[float], slo: float)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4, 0.8])
-    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 4, 8])
+    ap.add_argument("--num-requests", type=int, default=64,
+                    help="per rate; fewer make a burst rather than a steady state")
     ap.add_argument("--output-mean", type=int, default=96)
     ap.add_argument("--output-max", type=int, default=256)
     ap.add_argument("--tpot-slo", type=float, default=0.5, help="p99 TPOT bound, seconds")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                     help="weights and KV dtype of both servers")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-pagedserve", action="store_true")

@@ -221,7 +221,6 @@ class OpenAIServing:
         engine = async_engine.engine
         self.max_model_len = engine.scheduler_config.max_model_len
         self.created = int(time.time())
-        self._token_text: dict[int, str] = {}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -236,13 +235,6 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
         except TooManyRequestsError as e:
             raise APIError(429, str(e)) from None
-
-    def token_text(self, engine: LLMEngine, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = engine.tokenizer.decode([token_id]) if engine.tokenizer is not None else ""
-            self._token_text[token_id] = text
-        return text
 
     # ---- shared pieces --------------------------------------------------------------------
 
