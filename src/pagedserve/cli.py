@@ -307,6 +307,63 @@ def cmd_serve(args: argparse.Namespace) -> None:
                log_level=args.log_level)
 
 
+def parse_memory(text: str) -> int:
+    """A memory size with an explicit unit: '80GB' (10**9 bytes) or '80GiB' (2**30 bytes)."""
+    m = re.fullmatch(r"\s*([0-9.e+]+)\s*(gb|gib|mb|mib|tb|tib)\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"not a memory size with a unit: {text!r} (examples: 80GB, 24GiB, 512MiB)")
+    units = {**_UNITS, "tb": 10**12, "tib": 2**40}
+    try:
+        value = int(float(m.group(1)) * units[m.group(2)])
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r}") from None
+    return value
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from pagedserve import planner
+
+    shape_flags = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                   "vocab_size", "intermediate_size")
+    given = {f: getattr(args, f) for f in shape_flags if getattr(args, f) is not None}
+    if args.model is not None and given:
+        raise ValueError("give --model or the shape flags, not both")
+    if args.model is not None:
+        shape = planner.load_shape(args.model)
+    elif given:
+        missing = [f"--{f.replace('_', '-')}" for f in shape_flags[:4] + shape_flags[5:]
+                   if f not in given]
+        if missing:
+            raise ValueError(f"the shape flags miss {', '.join(missing)}")
+        heads = given["num_heads"]
+        shape = planner.ModelShape(
+            "custom", given["num_layers"], given["hidden_size"], heads,
+            given.get("num_kv_heads", heads),
+            given.get("head_dim") or given["hidden_size"] // heads, given["vocab_size"],
+            given["intermediate_size"])
+    else:
+        raise ValueError("give --model (a preset, an HF directory or a .gguf file) or the "
+                         "shape flags")
+    kwargs = dict(weights_dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  overhead_bytes=args.overhead or 0, avg_tokens=args.avg_tokens,
+                  max_model_len=args.max_model_len, block_size=args.block_size,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  weight_bytes=args.weight_bytes)
+    rows = planner.levers(shape, args.memory, shared_prefix_tokens=args.shared_prefix_tokens,
+                          num_sharing=args.num_sharing, max_model_len_cap=args.max_model_len_cap,
+                          **kwargs)
+    plan = rows[0][1]
+    print(planner.to_json(plan, rows) if args.json else planner.render(plan, rows))
+    if args.plot:
+        planner.plot(shape, args.memory, args.plot,
+                     shared_prefix_tokens=args.shared_prefix_tokens,
+                     num_sharing=args.num_sharing,
+                     **{k: v for k, v in kwargs.items() if k != "avg_tokens"})
+        if not args.json:
+            print(f"\nplot: {args.plot}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedserve", description="LLM inference on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -353,6 +410,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level (info logs every request)")
     add_engine_args(v)
     v.set_defaults(func=cmd_serve)
+
+    pl = sub.add_parser("plan", help="KV-cache capacity planning for a model on an accelerator")
+    pl.add_argument("--model", default=None,
+                    help="a preset (llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, "
+                         "llama-3-70b, mistral-7b, qwen2-7b, smollm2-135m, opt-13b), an HF "
+                         "directory or a .gguf file")
+    pl.add_argument("--memory", type=parse_memory, required=True,
+                    help="accelerator memory per worker with its unit: 80GB or 80GiB")
+    pl.add_argument("--dtype", default="bf16", help="weights dtype (fp32, fp16, bf16, int8, "
+                                                    "fp8, int4)")
+    pl.add_argument("--kv-cache-dtype", default="auto",
+                    choices=("auto", "fp32", "fp16", "bf16", "fp8", "int8"))
+    pl.add_argument("--weight-bytes", type=parse_memory, default=None,
+                    help="the weights' size, if known (default: from the parameter count)")
+    pl.add_argument("--overhead", type=parse_memory, default=None,
+                    help="activation and runtime overhead per worker (default 0)")
+    pl.add_argument("--avg-tokens", type=int, default=2000,
+                    help="average tokens (prompt + output) per request")
+    pl.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the model's context length")
+    pl.add_argument("--max-model-len-cap", type=int, default=None,
+                    help="show the lever of capping max_model_len at this length")
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--shared-prefix-tokens", type=int, default=0)
+    pl.add_argument("--num-sharing", type=int, default=1,
+                    help="requests that share the prefix")
+    pl.add_argument("--tensor-parallel-size", type=int, default=1)
+    for flag in ("num-layers", "hidden-size", "num-heads", "num-kv-heads", "head-dim",
+                 "vocab-size", "intermediate-size"):
+        pl.add_argument(f"--{flag}", type=int, default=None, help="raw shape (without --model)")
+    pl.add_argument("--json", action="store_true", help="the figures as JSON")
+    pl.add_argument("--plot", default=None, help="save concurrency vs context length (PNG)")
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -68,8 +68,11 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV cache bytes one token costs: ``2 * num_layers * num_kv_heads * head_dim * bytes``."""
+        from pagedserve import planner
+
         itemsize = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+        return planner.kv_bytes_per_token(self.num_hidden_layers, self.num_key_value_heads,
+                                          self.head_dim, itemsize)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 import torch
 
+from pagedserve import planner
 from pagedserve.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ def default_kv_cache_memory(device: torch.device) -> int:
 
 def num_blocks_for_memory(kv_cache_memory: int, model: ModelConfig, block_size: int,
                           dtype: torch.dtype) -> int:
-    """How many blocks fit in ``kv_cache_memory`` bytes."""
-    return kv_cache_memory // (model.kv_bytes_per_token(dtype) * block_size)
+    """How many blocks fit in ``kv_cache_memory`` bytes (the planner's rule, so that
+    ``pagedserve plan`` and the engine agree)."""
+    return planner.num_blocks(kv_cache_memory, model.kv_bytes_per_token(dtype), block_size)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

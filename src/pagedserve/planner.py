@@ -1,0 +1,337 @@
+"""KV-cache capacity planning: the arithmetic operators size deployments with, from a model's
+real shape, and the one source of the engine's own KV sizing.
+
+    kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    kv_budget          = memory - weights - activation overhead        (per worker under TP)
+    num_blocks         = kv_budget // (kv_bytes_per_token * block_size)
+    tokens_max         = num_blocks * block_size
+    concurrency        = tokens_max / tokens per request
+
+Memory is stated in both GB (10**9 bytes) and GiB (2**30 bytes) everywhere. GQA/MQA enter
+through num_kv_heads; an explicit head_dim (not hidden / heads) is honoured. Sources: the
+PagedAttention paper (Kwon et al., SOSP 2023, section 3) for the KV cost and block sizing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+GB, GiB = 10**9, 2**30
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+               "fp8": 1, "int8": 1, "int4": 0.5}
+KV_CACHE_DTYPES = ("auto", "fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "int8")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes that set a decoder's weight and KV bytes. ``gated_mlp``: three MLP matrices
+    (Llama's gate/up/down) rather than two (OPT's fc1/fc2)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    gated_mlp: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                      "vocab_size", "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{self.name}: {field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def num_params(self) -> int:
+        """Weights: embedding, per layer q/k/v/o and the MLP, the LM head unless tied (norms
+        and biases are negligible and left out)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = h * self.intermediate_size * (3 if self.gated_mlp else 2)
+        embed = self.vocab_size * h
+        return embed * (1 if self.tie_word_embeddings else 2) + self.num_layers * (attn + mlp)
+
+
+# Real shapes (the models' published config.json files).
+PRESETS: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("llama-2-7b", 32, 4096, 32, 32, 128, 32000, 11008, 4096),
+    ModelShape("llama-2-13b", 40, 5120, 40, 40, 128, 32000, 13824, 4096),
+    ModelShape("llama-2-70b", 80, 8192, 64, 8, 128, 32000, 28672, 4096),
+    ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 128256, 14336, 8192),
+    ModelShape("llama-3-70b", 80, 8192, 64, 8, 128, 128256, 28672, 8192),
+    ModelShape("mistral-7b", 32, 4096, 32, 8, 128, 32000, 14336, 32768),
+    ModelShape("qwen2-7b", 28, 3584, 28, 4, 128, 152064, 18944, 32768),
+    ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 49152, 1536, 8192, tie_word_embeddings=True),
+    ModelShape("opt-13b", 40, 5120, 40, 40, 128, 50272, 20480, 2048, tie_word_embeddings=True,
+               gated_mlp=False),
+)}
+
+
+def shape_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
+    """ModelShape from a config.json dict (Llama-style names, or OPT's ``ffn_dim``).
+    Raises ValueError naming a missing field."""
+    def need(*keys: str) -> Any:
+        for key in keys:
+            if cfg.get(key) is not None:
+                return cfg[key]
+        raise ValueError(f"{name}: config.json has no {' or '.join(keys)}")
+
+    heads = need("num_attention_heads", "n_head")
+    hidden = need("hidden_size", "n_embd", "d_model")
+    head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int)
+                                       and isinstance(heads, int) and heads else 0)
+    opt = "ffn_dim" in cfg and "intermediate_size" not in cfg
+    return ModelShape(
+        name=name, num_layers=need("num_hidden_layers", "n_layer"), hidden_size=hidden,
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim, vocab_size=need("vocab_size"),
+        intermediate_size=need("intermediate_size", "ffn_dim"),
+        max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", opt)), gated_mlp=not opt)
+
+
+def shape_from_model_config(cfg: Any, name: str) -> ModelShape:
+    """ModelShape of the engine's ModelConfig (what the engine really loads)."""
+    return ModelShape(name, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                      cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size,
+                      cfg.intermediate_size, cfg.max_position_embeddings,
+                      cfg.tie_word_embeddings)
+
+
+def load_shape(model: str) -> ModelShape:
+    """A preset name, an HF directory (config.json) or a GGUF file. Raises ValueError or
+    FileNotFoundError with a clear message."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+        return shape_from_hf_config(cfg, path.name)
+    if path.is_file() and path.suffix == ".gguf":
+        from pagedserve.loader.gguf import _reader, read_gguf_config
+
+        return shape_from_model_config(read_gguf_config(_reader(path), path), path.stem)
+    raise ValueError(f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}), an HF "
+                     "directory or a .gguf file")
+
+
+# ---- the arithmetic ---------------------------------------------------------------------------
+
+
+def kv_heads_per_worker(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
+    """KV heads one tensor-parallel worker holds: its share, or one replicated head when
+    there are fewer KV heads than workers (as vLLM does)."""
+    return max(1, math.ceil(num_kv_heads / tensor_parallel_size))
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype_bytes: float) -> int:
+    """``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes``, in bytes."""
+    return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)
+
+
+def num_blocks(kv_budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """Whole blocks of ``block_size`` tokens that fit in ``kv_budget_bytes`` (the engine's
+    own sizing rule)."""
+    return max(0, int(kv_budget_bytes) // (bytes_per_token * block_size))
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of a dtype name. Raises ValueError for an unknown name."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass
+class Plan:
+    """One configuration's figures (bytes per worker unless named ``_total``)."""
+
+    model: str
+    memory_bytes: int
+    weights_dtype: str
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    block_size: int
+    avg_tokens: int
+    max_model_len: int
+    num_params: int
+    weight_bytes_total: int
+    weight_bytes: int
+    overhead_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    kv_budget_bytes: int
+    num_blocks: int
+    tokens_max: int
+    concurrency_avg: float
+    concurrency_max_model_len: float
+
+
+def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf16",
+              kv_cache_dtype: str = "auto", overhead_bytes: int = 0, avg_tokens: int = 2000,
+              max_model_len: int | None = None, block_size: int = 16,
+              tensor_parallel_size: int = 1, weight_bytes: int | None = None) -> Plan:
+    """The figures for ``shape`` on one accelerator of ``memory_bytes`` per worker.
+
+    ``weight_bytes`` overrides the estimate from the parameter count. Raises ValueError for a
+    bad value or when the weights and overhead leave no room for a single block."""
+    for name, value in (("memory", memory_bytes), ("avg_tokens", avg_tokens),
+                        ("block_size", block_size), ("tensor_parallel_size",
+                                                     tensor_parallel_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if overhead_bytes < 0:
+        raise ValueError(f"overhead must be >= 0, got {overhead_bytes}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    w_bytes = dtype_bytes(weights_dtype)
+    kv_dtype = weights_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    max_model_len = max_model_len or shape.max_position_embeddings
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    total = weight_bytes if weight_bytes is not None else int(shape.num_params * w_bytes)
+    per_worker = total // tensor_parallel_size
+    budget = memory_bytes - per_worker - overhead_bytes
+    per_token = kv_bytes_per_token(shape.num_layers,
+                                   kv_heads_per_worker(shape.num_kv_heads, tensor_parallel_size),
+                                   shape.head_dim, dtype_bytes(kv_dtype))
+    if budget < per_token * block_size:
+        raise ValueError(
+            f"{shape.name}: {_both(memory_bytes)} per worker holds no KV cache: the weights "
+            f"take {_both(per_worker)} and the overhead {_both(overhead_bytes)}")
+    blocks = num_blocks(budget, per_token, block_size)
+    tokens = blocks * block_size
+    return Plan(shape.name, memory_bytes, weights_dtype, kv_dtype, tensor_parallel_size,
+                block_size, avg_tokens, max_model_len, shape.num_params, total, per_worker,
+                overhead_bytes, per_token, per_token * block_size, budget, blocks, tokens,
+                tokens / avg_tokens, tokens / max_model_len)
+
+
+def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
+           num_sharing: int = 1, max_model_len_cap: int | None = None,
+           **kwargs: Any) -> list[tuple[str, Plan, float]]:
+    """(lever, plan, concurrency at the average length) for the baseline and each lever:
+    full multi-head KV (what GQA saves), fp8 and int8 KV, prefix sharing, a max_model_len cap
+    (its concurrency is the worst case, every request at max_model_len)."""
+    base = make_plan(shape, memory_bytes, **kwargs)
+    rows = [("baseline", base, base.concurrency_avg)]
+    if shape.num_kv_heads != shape.num_heads:
+        # the same weights: only the KV heads change, so the row isolates the KV lever
+        mha = make_plan(replace(shape, num_kv_heads=shape.num_heads), memory_bytes,
+                        **{**kwargs, "weight_bytes": base.weight_bytes_total})
+        rows.append((f"without GQA ({shape.num_heads} KV heads, not {shape.num_kv_heads})",
+                     mha, mha.concurrency_avg))
+    for kv in ("fp8", "int8"):
+        if kwargs.get("kv_cache_dtype", "auto") != kv:
+            p = make_plan(shape, memory_bytes, **{**kwargs, "kv_cache_dtype": kv})
+            rows.append((f"{kv} KV cache", p, p.concurrency_avg))
+    if shared_prefix_tokens and num_sharing > 1:
+        bs = base.block_size
+        shared = (min(shared_prefix_tokens, base.avg_tokens) // bs) * bs  # full blocks only
+        per_group = num_sharing * base.avg_tokens - (num_sharing - 1) * shared
+        conc = base.tokens_max / per_group * num_sharing
+        rows.append((f"prefix sharing ({shared} tokens x {num_sharing} requests)", base, conc))
+    worst = ("every request at max_model_len", base, base.concurrency_max_model_len)
+    rows.append(worst)
+    if max_model_len_cap:
+        capped = make_plan(shape, memory_bytes, **{**kwargs, "max_model_len": max_model_len_cap})
+        rows.append((f"max_model_len cap {max_model_len_cap} (worst case)", capped,
+                     capped.concurrency_max_model_len))
+    return rows
+
+
+def _both(n: float) -> str:
+    return f"{n / GB:,.2f} GB ({n / GiB:,.2f} GiB)"
+
+
+def render(plan: Plan, rows: list[tuple[str, Plan, float]]) -> str:
+    """The plan as text: every size in GB and GiB."""
+    tp = f" per worker (tensor_parallel_size={plan.tensor_parallel_size})" \
+        if plan.tensor_parallel_size > 1 else ""
+    facts = [
+        (f"accelerator memory{tp}", _both(plan.memory_bytes)),
+        (f"weights{tp}", _both(plan.weight_bytes)),
+        ("activation overhead", _both(plan.overhead_bytes)),
+        (f"KV budget{tp}", _both(plan.kv_budget_bytes)),
+        (f"KV bytes per token{tp}", f"{plan.kv_bytes_per_token:,} B"),
+        ("KV bytes per block", f"{plan.kv_bytes_per_block:,} B"),
+        (f"KV bytes of {plan.avg_tokens:,} tokens",
+         _both(plan.kv_bytes_per_token * plan.avg_tokens)),
+        ("blocks", f"{plan.num_blocks:,}"),
+        ("tokens_max", f"{plan.tokens_max:,}"),
+        (f"concurrency at {plan.avg_tokens:,} tokens", f"{plan.concurrency_avg:,.1f}"),
+        (f"concurrency at max_model_len={plan.max_model_len:,}",
+         f"{plan.concurrency_max_model_len:,.1f}"),
+    ]
+    width = max(len(k) for k, _ in facts) + 2
+    lines = [f"model {plan.model}: {plan.num_params / 1e9:.2f}B parameters, weights "
+             f"{plan.weights_dtype}, KV cache {plan.kv_cache_dtype}, blocks of {plan.block_size}"]
+    lines += [f"{k + ':':<{width}}{v}" for k, v in facts]
+    lines += [
+        "",
+        "| lever | KV bytes/token | tokens_max | concurrency | vs baseline |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    base = rows[0][2]
+    for name, p, conc in rows:
+        lines.append(f"| {name} | {p.kv_bytes_per_token:,} | {p.tokens_max:,} | {conc:,.1f} | "
+                     f"{conc / base:.2f}x |")
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan, rows: list[tuple[str, Plan, float]]) -> str:
+    return json.dumps({"plan": asdict(plan), "levers": [
+        {"lever": name, "kv_bytes_per_token": p.kv_bytes_per_token, "tokens_max": p.tokens_max,
+         "concurrency": conc} for name, p, conc in rows]}, indent=1)
+
+
+def plot(shape: ModelShape, memory_bytes: int, path: str, **kwargs: Any) -> None:
+    """Concurrency against average context length, one line per lever (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [2**k for k in range(7, 16)]
+    series: dict[str, list[float]] = {}
+    for n in lengths:
+        for name, _, conc in levers(shape, memory_bytes, **{**kwargs, "avg_tokens": n}):
+            if not name.startswith(("every request", "max_model_len cap", "int8")):
+                label = "8-bit KV cache (fp8 or int8)" if name.startswith("fp8") \
+                    else name.split(" (")[0]
+                if label == "prefix sharing" and n <= kwargs.get("shared_prefix_tokens", 0):
+                    conc = float("nan")  # requests no longer than the shared prefix: not drawn
+                series.setdefault(label, []).append(conc)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, values in series.items():
+        ax.plot(lengths, values, marker="o", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="average tokens per request",
+           ylabel="concurrent requests", title=f"{shape.name}: KV-bound concurrency, "
+           f"{memory_bytes / GB:.0f} GB")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
