@@ -127,6 +127,10 @@ def test_cli_plan_text_json_and_plot(tmp_path, capsys):
     (["--num-layers", "30", "--memory", "80GB"], "the shape flags miss"),
     (["--model", "llama-2-7b", "--memory", "80GB", "--dtype", "fp7"], "unknown dtype 'fp7'"),
     (["--model", "/nonexistent/dir", "--memory", "80GB"], "unknown model"),
+    (["--model", "llama-2-7b", "--memory", "80GB", "--max-model-len", "0"], "max_model_len"),
+    (["--model", "llama-2-7b", "--memory", "80GB", "--num-sharing", "0"], "num_sharing >= 1"),
+    (["--model", "llama-2-7b", "--memory", "80GB", "--shared-prefix-tokens", "-5"],
+     "shared_prefix_tokens must be >= 0"),
 ])
 def test_cli_plan_errors(args, message, capsys, tmp_path):
     parse_error = message in ("not a memory size", "with a unit")

@@ -208,9 +208,9 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
                          f"{', '.join(KV_CACHE_DTYPES)}")
     w_bytes = dtype_bytes(weights_dtype)
     kv_dtype = weights_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    max_model_len = max_model_len or shape.max_position_embeddings
-    if max_model_len < 1:
+    if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    max_model_len = max_model_len or shape.max_position_embeddings
     total = weight_bytes if weight_bytes is not None else int(shape.num_params * w_bytes)
     per_worker = total // tensor_parallel_size
     budget = memory_bytes - per_worker - overhead_bytes
@@ -235,6 +235,11 @@ def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
     """(lever, plan, concurrency at the average length) for the baseline and each lever:
     full multi-head KV (what GQA saves), fp8 and int8 KV, prefix sharing, a max_model_len cap
     (its concurrency is the worst case, every request at max_model_len)."""
+    if shared_prefix_tokens < 0 or num_sharing < 1:
+        raise ValueError(f"shared_prefix_tokens must be >= 0 and num_sharing >= 1, got "
+                         f"{shared_prefix_tokens} and {num_sharing}")
+    if max_model_len_cap is not None and max_model_len_cap < 1:
+        raise ValueError(f"max_model_len_cap must be positive, got {max_model_len_cap}")
     base = make_plan(shape, memory_bytes, **kwargs)
     rows = [("baseline", base, base.concurrency_avg)]
     if shape.num_kv_heads != shape.num_heads:
