@@ -259,3 +259,24 @@ def test_bad_kv_options_and_params_are_value_errors(tiny_llama):
     with pytest.raises(ValueError, match="must be SamplingParams or a list"):
         llm.generate(prompt, "temperature=0")
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_contiguous_allocator_same_tokens_lower_utilization(tiny_llama):
+    """The pre-paging ablation: max_model_len reserved per request from a first-fit arena.
+    Same greedy tokens as paged; fewer requests at once; most reserved slots stay empty."""
+    prompts, params, _ = workload(12)
+    kwargs = dict(skip_tokenizer_init=True, num_kv_blocks=160, block_size=4, max_model_len=160)
+    paged = LLM(tiny_llama, **kwargs)
+    ref = tokens(paged.generate(prompts, params, use_tqdm=False))
+    contiguous = LLM(tiny_llama, kv_allocator="contiguous", **kwargs)
+    assert tokens(contiguous.generate(prompts, params, use_tqdm=False)) == ref
+    p, c = paged.kv_cache_stats(), contiguous.kv_cache_stats()
+    assert c.max_num_running == 4  # 160 blocks / 40 per reservation
+    assert p.max_num_running == 12 and c.num_preemptions == 0
+    assert p.reserved_slot_utilization > 0.9 > 0.6 > c.reserved_slot_utilization > 0
+    assert c.peak_reserved_slots == 4 * 160
+    assert contiguous.llm_engine.block_manager.free_runs == [(0, 160)]  # runs merged back
+    with pytest.raises(ValueError, match="one sequence per request"):
+        contiguous.generate(prompts[0], SamplingParams(n=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="kv_allocator must be"):
+        LLM(tiny_llama, kv_allocator="slab", **kwargs)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.beam_search import BeamSearchState
 from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
-from pagedserve.core.block_manager import BlockManager, cdiv
+from pagedserve.core.block_manager import BlockManager, ContiguousBlockManager, cdiv
 from pagedserve.core.block_pool import root_hash
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.kv.cache import KVCache, default_kv_cache_memory, num_blocks_for_memory
@@ -86,7 +86,8 @@ class LLMEngine:
                  max_num_batched_tokens: int = 512, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
                  skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
-                 preemption_mode: str = "recompute", swap_space: float = 4.0):
+                 preemption_mode: str = "recompute", swap_space: float = 4.0,
+                 kv_allocator: str = "paged"):
         _check_options(block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
@@ -104,6 +105,12 @@ class LLMEngine:
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, "
                              f"got {enable_prefix_caching!r}")
+        if kv_allocator not in ("paged", "contiguous"):
+            raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {kv_allocator!r}")
+        if kv_allocator == "contiguous" and preemption_mode == "swap":
+            raise ValueError("kv_allocator='contiguous' reserves max_model_len per request and "
+                             "never preempts: preemption_mode='swap' does not apply")
+        self.kv_allocator = kv_allocator
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         source = open_model(model)
@@ -155,8 +162,12 @@ class LLMEngine:
             num_swap_blocks = int(swap_space * 2**30) // (kv_bytes_per_token * block_size)
         self.kv_cache = KVCache.allocate(cfg, num_kv_blocks, block_size, self.dtype, self.device,
                                          num_swap_blocks)
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
-                                          num_swap_blocks)
+        if kv_allocator == "contiguous":  # the pre-paging baseline, no prefix caching
+            self.block_manager = ContiguousBlockManager(num_kv_blocks, block_size,
+                                                        cdiv(max_model_len, block_size))
+        else:
+            self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
+                                              num_swap_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler()
@@ -169,6 +180,9 @@ class LLMEngine:
         self.peak_used_blocks = 0
         self.kv_token_utilization = 0.0
         self._block_steps = [0, 0]  # sums over steps of (physical, logical) blocks in use
+        self._slot_steps = [0, 0]  # sums over steps of (slots holding K/V, slots reserved)
+        self._peak_reserved = (0, 0.0)  # (reserved slots, utilization) at the peak
+        self.max_num_running = 0
         self.num_prompt_tokens = 0  # prompts of requests that produced a first token
         self.num_generation_tokens = 0  # tokens sampled (every sequence, every beam)
 
@@ -257,6 +271,9 @@ class LLMEngine:
                              f"{len(ids) + max_tokens} tokens, more than max_model_len={max_len}")
         beam = isinstance(params, BeamSearchParams)
         width = params.beam_width if beam else params.n
+        if width > 1 and self.kv_allocator == "contiguous":
+            raise ValueError("kv_allocator='contiguous' runs one sequence per request "
+                             f"(got {'beam_width' if beam else 'n'}={width})")
         self._check_fits(width, len(ids) + max_tokens)
         if not beam and params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -371,17 +388,24 @@ class LLMEngine:
     def _track_usage(self) -> None:
         pool = self.block_manager.pool
         live = [s for r in self.scheduler.running for s in r.live_seqs]
+        self.max_num_running = max(self.max_num_running, len(self.scheduler.running))
+        bs = self.cache_config.block_size
+        held: dict[int, int] = {}  # slots holding K/V per block (a shared block counts once)
+        for s in live:
+            for i, b in enumerate(s.block_table):
+                held[b] = max(held.get(b, 0), min(bs, s.num_computed_tokens - i * bs))
+        filled = sum(held.values())
+        reserved = bs * getattr(self.block_manager, "num_reserved_blocks", pool.num_used_blocks)
+        self._slot_steps[0] += filled
+        self._slot_steps[1] += reserved
+        if reserved > self._peak_reserved[0]:
+            self._peak_reserved = (reserved, filled / reserved)
         used = pool.num_used_blocks
         self._block_steps[0] += used
         self._block_steps[1] += sum(len(s.block_table) for s in live)
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
-            bs = self.cache_config.block_size
-            filled: dict[int, int] = {}  # a block shared by sequences counts once
-            for s in live:
-                for i, b in enumerate(s.block_table):
-                    filled[b] = max(filled.get(b, 0), min(bs, s.num_computed_tokens - i * bs))
-            self.kv_token_utilization = sum(filled.values()) / (used * bs)
+            self.kv_token_utilization = filled / (used * bs)
 
     def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
         """Sample one token for each (sequence, logits row); an n > 1 request forks at its
@@ -555,6 +579,11 @@ class LLMEngine:
             num_swapped_out_blocks=bm.num_swapped_out_blocks,
             num_swapped_in_blocks=bm.num_swapped_in_blocks,
             kv_sharing_saving=1 - physical / logical if logical else 0.0,
+            reserved_slot_utilization=(self._slot_steps[0] / self._slot_steps[1]
+                                       if self._slot_steps[1] else 0.0),
+            reserved_slot_utilization_at_peak=self._peak_reserved[1],
+            peak_reserved_slots=self._peak_reserved[0],
+            max_num_running=self.max_num_running,
         )
 
 

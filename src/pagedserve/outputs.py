@@ -97,7 +97,10 @@ class KVCacheStats:
     the slots of all allocated blocks. ``prefix_cache_queries`` / ``prefix_cache_hits`` count
     prompt tokens looked up / found in the prefix cache. ``kv_sharing_saving`` is the share of
     block memory saved by sharing (prefix hits, forks), averaged over steps: 1 - (blocks used)
-    / (blocks the sequences' tables hold, counted per sequence).
+    / (blocks the sequences' tables hold, counted per sequence). ``reserved_slot_utilization``:
+    slots holding K/V over slots reserved (allocated blocks when paged, max_model_len runs
+    with ``kv_allocator="contiguous"``), summed over steps; ``_at_peak`` at the step with the
+    most reserved slots; ``max_num_running`` the most requests in one batch.
     """
 
     num_blocks: int
@@ -114,3 +117,7 @@ class KVCacheStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     kv_sharing_saving: float = 0.0
+    reserved_slot_utilization: float = 0.0
+    reserved_slot_utilization_at_peak: float = 0.0
+    peak_reserved_slots: int = 0
+    max_num_running: int = 0

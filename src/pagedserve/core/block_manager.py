@@ -193,3 +193,73 @@ class BlockManager:
             s.swap_table = []
         self.num_swapped_in_blocks += len(distinct)
         return list(device.items())
+
+
+class ContiguousBlockManager(BlockManager):
+    """The pre-paging baseline, for the ablation (``kv_allocator="contiguous"``): admitting a
+    sequence reserves ``blocks_per_seq`` consecutive blocks (max_model_len slots) from a
+    first-fit arena; the sequence writes into its run as it grows and returns the whole run
+    when it ends. Admission waits until a long enough run is free, so growth never fails.
+    No prefix caching, forks or swap (one sequence per request)."""
+
+    def __init__(self, num_blocks: int, block_size: int, blocks_per_seq: int):
+        super().__init__(num_blocks, block_size, enable_prefix_caching=False)
+        if not 1 <= blocks_per_seq <= num_blocks:
+            raise ValueError(f"a reservation of {blocks_per_seq} blocks does not fit the "
+                             f"{num_blocks} blocks of the cache")
+        self.blocks_per_seq = blocks_per_seq
+        self.free_runs: list[tuple[int, int]] = [(0, num_blocks)]  # (start, length), by start
+        self.reservations: dict[int, int] = {}  # seq_id -> first block of its run
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return len(self.reservations) * self.blocks_per_seq
+
+    def _first_fit(self, runs: list[tuple[int, int]]) -> int | None:
+        for i, (start, length) in enumerate(runs):
+            if length >= self.blocks_per_seq:
+                rest = length - self.blocks_per_seq
+                runs[i:i + 1] = [(start + self.blocks_per_seq, rest)] if rest else []
+                return start
+        return None
+
+    def can_allocate(self, items: Iterable[tuple[Sequence, int, list[int]]]) -> bool:
+        runs = list(self.free_runs)
+        return all(seq.seq_id in self.reservations or self._first_fit(runs) is not None
+                   for seq, _, _ in items)
+
+    def allocate(self, seq: Sequence, n: int, hits: list[int],
+                 copies: list[tuple[int, int]]) -> None:
+        if seq.seq_id not in self.reservations:
+            start = self._first_fit(self.free_runs)
+            if start is None:
+                raise RuntimeError("no free run of blocks: call can_allocate first")
+            self.reservations[seq.seq_id] = start
+        start = self.reservations[seq.seq_id]
+        have = len(seq.block_table)
+        need = cdiv(seq.num_computed_tokens + n, self.block_size) - have
+        if have + need > self.blocks_per_seq:
+            raise RuntimeError(f"sequence {seq.seq_id} outgrew its reservation")
+        ids = list(range(start + have, start + have + need))
+        self.pool.touch(ids)  # blocks of a reserved run are free in the pool until written
+        seq.block_table.extend(ids)
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        start = self.reservations.pop(seq.seq_id, None)
+        if start is None:
+            return
+        runs = self.free_runs
+        runs.append((start, self.blocks_per_seq))
+        runs.sort()
+        merged = [runs[0]]
+        for s, length in runs[1:]:
+            last_s, last_len = merged[-1]
+            if last_s + last_len == s:
+                merged[-1] = (last_s, last_len + length)
+            else:
+                merged.append((s, length))
+        self.free_runs = merged
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        raise RuntimeError("the contiguous allocator runs one sequence per request")
