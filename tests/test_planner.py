@@ -111,6 +111,11 @@ def test_cli_plan_text_json_and_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "819,200 B" in out and "54.00 GB (50.29 GiB)" in out and "tokens_max" in out
     assert png.stat().st_size > 10_000
+    shared = tmp_path / "s.png"
+    assert main(["plan", "--model", "llama-3-8b", "--memory", "80GB", "--shared-prefix-tokens",
+                 "1000", "--num-sharing", "8", "--plot", str(shared)]) == 0
+    assert shared.stat().st_size > 10_000
+    capsys.readouterr()
     assert main(["plan", "--num-layers", "30", "--hidden-size", "576", "--num-heads", "9",
                  "--num-kv-heads", "3", "--vocab-size", "49152", "--intermediate-size",
                  "1536", "--memory", "1GiB", "--dtype", "fp32", "--json"]) == 0
@@ -128,6 +133,11 @@ def test_cli_plan_text_json_and_plot(tmp_path, capsys):
     (["--model", "llama-2-7b", "--memory", "80GB", "--dtype", "fp7"], "unknown dtype 'fp7'"),
     (["--model", "/nonexistent/dir", "--memory", "80GB"], "unknown model"),
     (["--model", "llama-2-7b", "--memory", "80GB", "--max-model-len", "0"], "max_model_len"),
+    (["--model", "llama-2-70b", "--memory", "80GB", "--tensor-parallel-size", "3"],
+     "neither divides the 8 KV heads"),
+    (["--model", "llama-2-7b", "--memory", "80GB", "--shared-prefix-tokens", "100"],
+     "needs num_sharing of at least 2"),
+    (["--model", "llama-2-7b", "--memory", "80GB", "--plot", "/tmp"], "--plot needs a file"),
     (["--model", "llama-2-7b", "--memory", "80GB", "--num-sharing", "0"], "num_sharing >= 1"),
     (["--model", "llama-2-7b", "--memory", "80GB", "--shared-prefix-tokens", "-5"],
      "shared_prefix_tokens must be >= 0"),
@@ -140,12 +150,22 @@ def test_cli_plan_errors(args, message, capsys, tmp_path):
     assert message in err and "Traceback" not in err
 
 
-def test_cli_plan_missing_config_field(tmp_path, capsys):
+@pytest.mark.parametrize("cfg, message", [
+    ({"num_hidden_layers": 2, "hidden_size": 64}, "config.json has no num_attention_heads"),
+    ([1, 2], "must hold a JSON object"),
+    ({"num_hidden_layers": 2, "hidden_size": 4096, "num_attention_heads": 30,
+      "vocab_size": 10, "intermediate_size": 8}, "not a multiple of num_attention_heads"),
+    ({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+      "num_key_value_heads": 0, "vocab_size": 10, "intermediate_size": 8},
+     "num_kv_heads must be a positive integer"),
+])
+def test_cli_plan_bad_config(tmp_path, capsys, cfg, message):
     d = tmp_path / "m"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64}))
+    (d / "config.json").write_text(json.dumps(cfg))
     assert main(["plan", "--model", str(d), "--memory", "1GB"]) == 2
-    assert "config.json has no num_attention_heads" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 class _nothing:

@@ -354,6 +354,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           num_sharing=args.num_sharing, max_model_len_cap=args.max_model_len_cap,
                           **kwargs)
     plan = rows[0][1]
+    if args.plot:
+        out = Path(args.plot)
+        if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise ValueError(f"--plot needs a file name ending in .png, .svg or .pdf, "
+                             f"got {args.plot!r}")
+        if not out.parent.is_dir():
+            raise ValueError(f"--plot: no such directory {str(out.parent)!r}")
     print(planner.to_json(plan, rows) if args.json else planner.render(plan, rows))
     if args.plot:
         planner.plot(shape, args.memory, args.plot,

@@ -89,14 +89,22 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelShape
                 return cfg[key]
         raise ValueError(f"{name}: config.json has no {' or '.join(keys)}")
 
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{name}: config.json must hold a JSON object")
     heads = need("num_attention_heads", "n_head")
     hidden = need("hidden_size", "n_embd", "d_model")
-    head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int)
-                                       and isinstance(heads, int) and heads else 0)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+                and hidden % heads == 0):
+            raise ValueError(f"{name}: hidden_size {hidden!r} is not a multiple of "
+                             f"num_attention_heads {heads!r} and there is no head_dim")
+        head_dim = hidden // heads
     opt = "ffn_dim" in cfg and "intermediate_size" not in cfg
     return ModelShape(
         name=name, num_layers=need("num_hidden_layers", "n_layer"), hidden_size=hidden,
-        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        num_heads=heads, num_kv_heads=(heads if cfg.get("num_key_value_heads") is None
+                                        else cfg["num_key_value_heads"]),
         head_dim=head_dim, vocab_size=need("vocab_size"),
         intermediate_size=need("intermediate_size", "ffn_dim"),
         max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
@@ -201,6 +209,10 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
                                                      tensor_parallel_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    kv_heads, tp = shape.num_kv_heads, tensor_parallel_size
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"{shape.name}: tensor_parallel_size {tp} neither divides the "
+                         f"{kv_heads} KV heads nor is a multiple of them")
     if overhead_bytes < 0:
         raise ValueError(f"overhead must be >= 0, got {overhead_bytes}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -238,6 +250,11 @@ def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
     if shared_prefix_tokens < 0 or num_sharing < 1:
         raise ValueError(f"shared_prefix_tokens must be >= 0 and num_sharing >= 1, got "
                          f"{shared_prefix_tokens} and {num_sharing}")
+    if shared_prefix_tokens > kwargs.get("avg_tokens", 2000):
+        raise ValueError(f"shared_prefix_tokens ({shared_prefix_tokens}) exceeds avg_tokens "
+                         f"({kwargs.get('avg_tokens', 2000)}): a request includes its prefix")
+    if shared_prefix_tokens and num_sharing < 2:
+        raise ValueError("shared_prefix_tokens needs num_sharing of at least 2")
     if max_model_len_cap is not None and max_model_len_cap < 1:
         raise ValueError(f"max_model_len_cap must be positive, got {max_model_len_cap}")
     base = make_plan(shape, memory_bytes, **kwargs)
@@ -290,6 +307,9 @@ def render(plan: Plan, rows: list[tuple[str, Plan, float]]) -> str:
         (f"concurrency at max_model_len={plan.max_model_len:,}",
          f"{plan.concurrency_max_model_len:,.1f}"),
     ]
+    if plan.tokens_max < plan.max_model_len:
+        facts.append(("note", f"one request of max_model_len={plan.max_model_len:,} tokens "
+                              f"does not fit tokens_max={plan.tokens_max:,}"))
     width = max(len(k) for k, _ in facts) + 2
     lines = [f"model {plan.model}: {plan.num_params / 1e9:.2f}B parameters, weights "
              f"{plan.weights_dtype}, KV cache {plan.kv_cache_dtype}, blocks of {plan.block_size}"]
@@ -320,18 +340,21 @@ def plot(shape: ModelShape, memory_bytes: int, path: str, **kwargs: Any) -> None
     import matplotlib.pyplot as plt
 
     lengths = [2**k for k in range(7, 16)]
-    series: dict[str, list[float]] = {}
+    series: dict[str, dict[int, float]] = {}
+    shared = kwargs.get("shared_prefix_tokens", 0)
     for n in lengths:
-        for name, _, conc in levers(shape, memory_bytes, **{**kwargs, "avg_tokens": n}):
+        kw = {**kwargs, "avg_tokens": n}
+        if n <= shared:  # requests no longer than the shared prefix: no sharing point
+            kw.update(shared_prefix_tokens=0, num_sharing=1)
+        for name, _, conc in levers(shape, memory_bytes, **kw):
             if not name.startswith(("every request", "max_model_len cap", "int8")):
                 label = "8-bit KV cache (fp8 or int8)" if name.startswith("fp8") \
                     else name.split(" (")[0]
-                if label == "prefix sharing" and n <= kwargs.get("shared_prefix_tokens", 0):
-                    conc = float("nan")  # requests no longer than the shared prefix: not drawn
-                series.setdefault(label, []).append(conc)
+                series.setdefault(label, {})[n] = conc
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, values in series.items():
-        ax.plot(lengths, values, marker="o", label=name)
+        ax.plot(lengths, [values.get(n, float("nan")) for n in lengths], marker="o",
+                label=name)
     ax.set(xscale="log", yscale="log", xlabel="average tokens per request",
            ylabel="concurrent requests", title=f"{shape.name}: KV-bound concurrency, "
            f"{memory_bytes / GB:.0f} GB")
