@@ -81,7 +81,7 @@ def _sse(data: Any) -> str:
 class _EventStream(StreamingResponse):
     """Server-sent events that stop, and abort their requests, when the client disconnects:
     the stream runs beside a task listening for ``http.disconnect`` whatever the server's ASGI
-    version (Starlette watches only for older versions; uvicorn drops writes silently)."""
+    version (Starlette itself watches only for ASGI < 2.4)."""
 
     media_type = "text/event-stream"
 
