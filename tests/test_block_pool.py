@@ -301,13 +301,19 @@ def test_scheduler_admits_only_when_blocks_available_and_preempts_newest():
     assert ids(_step(s)) == [("c", 9)]  # re-prefilled: prompt + its generated token
 
 
-def test_scheduler_swap_preemption_resumes_before_new_requests():
-    s = _sched(4, max_len=16, mode="swap", swap=8)
+def _two_outgrowing_the_pool(s):
+    """Two 8-token requests in a 4-block pool of 4-token blocks; the second step needs a 3rd
+    block for each, so b (the newest) is preempted. Returns (a, b, that step's output)."""
     a, b = seq_of(range(1, 9), "a"), seq_of(range(1, 9), "b")
     s.add_request(a.request)
     s.add_request(b.request)
     _step(s)
-    out = _step(s)  # both need a 3rd block: b is swapped out
+    return a, b, _step(s)
+
+
+def test_scheduler_swap_preemption_resumes_before_new_requests():
+    s = _sched(4, max_len=16, mode="swap", swap=8)
+    a, b, out = _two_outgrowing_the_pool(s)  # b is swapped out
     assert [r.request_id for r in out.preempted] == ["b"] and out.blocks_to_swap_out
     assert b.status == SequenceStatus.SWAPPED and s.swapped == [b.request]
     late = seq_of([1], "late")
@@ -321,10 +327,6 @@ def test_scheduler_swap_preemption_resumes_before_new_requests():
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full():
     s = _sched(4, max_len=16, mode="swap", swap=1)
-    a, b = seq_of(range(1, 9), "a"), seq_of(range(1, 9), "b")
-    s.add_request(a.request)
-    s.add_request(b.request)
-    _step(s)
-    out = _step(s)
+    a, b, out = _two_outgrowing_the_pool(s)
     assert [r.request_id for r in out.preempted] == ["b"] and not out.blocks_to_swap_out
     assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0

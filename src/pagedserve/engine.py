@@ -390,11 +390,22 @@ class LLMEngine:
         live = [s for r in self.scheduler.running for s in r.live_seqs]
         self.max_num_running = max(self.max_num_running, len(self.scheduler.running))
         bs = self.cache_config.block_size
-        held: dict[int, int] = {}  # slots holding K/V per block (a shared block counts once)
+        # Slots holding K/V: the used blocks are exactly the running sequences' blocks, all
+        # full but each sequence's last; a shared last block counts once, at its fullest.
+        # O(batch) per step, not O(blocks).
+        short: dict[int, int] = {}  # last block -> empty slots in it
         for s in live:
-            for i, b in enumerate(s.block_table):
-                held[b] = max(held.get(b, 0), min(bs, s.num_computed_tokens - i * bs))
-        filled = sum(held.values())
+            if s.block_table:
+                b = s.block_table[-1]
+                empty = len(s.block_table) * bs - s.num_computed_tokens
+                short[b] = min(short.get(b, bs), empty)
+        filled = bs * pool.num_used_blocks - sum(short.values())
+        if self.cache_config.debug_checks:
+            held: dict[int, int] = {}
+            for s in live:
+                for i, b in enumerate(s.block_table):
+                    held[b] = max(held.get(b, 0), min(bs, s.num_computed_tokens - i * bs))
+            assert filled == sum(held.values()), (filled, sum(held.values()))
         reserved = bs * getattr(self.block_manager, "num_reserved_blocks", pool.num_used_blocks)
         self._slot_steps[0] += filled
         self._slot_steps[1] += reserved
