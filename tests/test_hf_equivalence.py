@@ -118,3 +118,33 @@ def test_rope_frequencies_match_transformers(tmp_path, variant):
     ours = rope_inv_freq(read_hf_config(tmp_path))
     ref = LlamaRotaryEmbedding(cfg).inv_freq
     torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("budget", [7, 512])
+def test_prompt_logprobs_equal_transformers(tiny_llama, budget):
+    """Every prompt position's logprob (and its top-3) against transformers' log-softmax, over
+    chunked prefill; a prompt already in the prefix cache is still computed in full."""
+    import torch
+
+    model = load_hf(tiny_llama)
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4,
+              max_num_batched_tokens=budget, num_kv_blocks=256)
+    prompts = [PROMPTS[7], PROMPTS[5], PROMPTS[7][:40]]
+    llm.generate([{"prompt_token_ids": PROMPTS[7]}], SamplingParams(max_tokens=1),
+                 use_tqdm=False)  # PROMPTS[7] is now cached
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        assert out.num_cached_tokens == 0
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            token = prompt[pos]
+            assert entry[token].logprob == pytest.approx(ref[pos - 1, token].item(), abs=1e-4)
+            assert entry[token].rank == int((ref[pos - 1] > ref[pos - 1, token]).sum()) + 1
+            top = ref[pos - 1].topk(3).indices.tolist()
+            assert set(top) <= set(entry) and len(entry) in (3, 4)
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        SamplingParams(prompt_logprobs=21)

@@ -1,4 +1,5 @@
-"""Paged attention against dense causal SDPA (fp32, 1e-5)."""
+"""Paged attention against dense causal SDPA (fp32, 1e-5); with a bfloat16 or 8-bit cache,
+against dense attention on the values the cache holds (stored then read back)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata, build_group
-from pagedserve.attention.paged import paged_attention
+from pagedserve.attention.paged import paged_attention, write_kv
+from pagedserve.kv.cache import LayerKVCache
+from pagedserve.kv.quant import dequantize, quantize, resolve_kv_cache_dtype
 
 
 def dense_reference(q, k, v, scale):
@@ -22,12 +25,31 @@ def dense_reference(q, k, v, scale):
                                           scale=scale).transpose(0, 1)
 
 
-def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0):
+def stored(x, spec):
+    """What a cache of ``spec`` gives back for x [..., head_dim] (float32)."""
+    if spec.quantized:
+        return dequantize(*quantize(x, spec.name), spec.name)
+    return x.to(spec.storage_dtype).float()
+
+
+def random_cache(num_blocks, block_size, num_kv_heads, head_dim, spec, g):
+    """A cache of ``spec`` full of random (finite) values, so unmasked garbage would show."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if not spec.quantized:
+        k, v = (torch.randn(shape, generator=g).to(spec.storage_dtype) for _ in range(2))
+        return LayerKVCache(k, v, None, None, spec)
+    k, v = (torch.randint(0, 0x7F, shape, generator=g).to(spec.storage_dtype) for _ in range(2))
+    ks, vs = (torch.rand(shape[:-1], generator=g).to(torch.bfloat16) for _ in range(2))
+    return LayerKVCache(k, v, ks, vs, spec)
+
+
+def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0,
+             kv_cache_dtype="auto"):
     """seqs: list of (context_len_including_new, num_new_tokens)."""
     g = torch.Generator().manual_seed(seed)
+    spec = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
     num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, spec, g)
     free = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
     scale = head_dim ** -0.5
     # decodes first, then prefills, as the runner lays them out
@@ -40,9 +62,9 @@ def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0):
         full_k[i] = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
         full_v[i] = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
         qs[i] = torch.randn(n, num_heads, head_dim, generator=g)
-        for p in range(ctx - n):  # the cached context
-            k_cache[table[p // block_size], p % block_size] = full_k[i][p]
-            v_cache[table[p // block_size], p % block_size] = full_v[i][p]
+        cached = [table[p // block_size] * block_size + p % block_size for p in range(ctx - n)]
+        if cached:  # the cached context
+            write_kv(full_k[i][:ctx - n], full_v[i][:ctx - n], cache, torch.tensor(cached))
         slots[i] = [table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)]
     dec = [i for i in order if seqs[i][1] == 1]
     pre = [i for i in order if seqs[i][1] > 1]
@@ -64,8 +86,14 @@ def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0):
     q = torch.cat([qs[i] for i in order])
     k_new = torch.cat([full_k[i][seqs[i][0] - seqs[i][1]:] for i in order])
     v_new = torch.cat([full_v[i][seqs[i][0] - seqs[i][1]:] for i in order])
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, md, scale)
-    ref = torch.cat([dense_reference(qs[i], full_k[i], full_v[i], scale) for i in order])
+    if spec.storage_dtype != torch.float32:
+        md.raw_workspace = torch.empty(rows, block_size, num_kv_heads, head_dim,
+                                       dtype=spec.storage_dtype)
+    if spec.quantized:
+        md.scale_workspace = torch.empty(rows, block_size, num_kv_heads, dtype=torch.bfloat16)
+    out = paged_attention(q, k_new, v_new, cache, md, scale)
+    ref = torch.cat([dense_reference(qs[i], stored(full_k[i], spec), stored(full_v[i], spec),
+                                     scale) for i in order])
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # the new tokens' K/V went to their slots
@@ -73,7 +101,13 @@ def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0):
         ctx, n = seqs[i]
         for p in range(ctx - n, ctx):
             b, off = tables[i][p // block_size], p % block_size
-            assert torch.equal(k_cache[b, off], full_k[i][p])
+            if spec.quantized:
+                data, scales = quantize(full_k[i][p], spec.name)
+                assert torch.equal(cache.k[b, off], data)
+                assert torch.equal(cache.k_scale[b, off], scales)
+            else:
+                assert torch.equal(cache.k[b, off], full_k[i][p].to(spec.storage_dtype))
+    return out
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
@@ -94,3 +128,15 @@ def test_decode_only_and_prefill_only(block_size):
 def test_single_long_sequence():
     run_case(16, 9, 3, [(300, 300)], head_dim=64)
     run_case(16, 9, 3, [(300, 1)], head_dim=64)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "bfloat16"])
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)], ids=["gqa2", "gqa3"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_quantized_cache_equals_attention_on_its_dequantized_values(kv_cache_dtype, heads,
+                                                                    block_size):
+    seqs = [(1, 1), (block_size + 1, 1), (37, 1), (70, 1), (23, 23), (50, 9), (16, 16)]
+    out = run_case(block_size, *heads, seqs, kv_cache_dtype=kv_cache_dtype)
+    # and it is not the full-precision answer (the reference is really the stored values)
+    full = run_case(block_size, *heads, seqs)
+    assert (out - full).abs().max() > 1e-4

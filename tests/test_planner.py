@@ -10,7 +10,7 @@ import torch
 
 from pagedserve import LLM, planner
 from pagedserve.cli import main
-from pagedserve.planner import GB, PRESETS, ModelShape, make_plan
+from pagedserve.planner import GB, PRESETS, GiB, ModelShape, make_plan
 
 
 def test_worked_example_13b():
@@ -28,7 +28,19 @@ def test_worked_example_13b():
     assert gqa.kv_bytes_per_token * 4 == p.kv_bytes_per_token  # 4x GQA: 4x less KV
     int8 = make_plan(PRESETS["llama-2-13b"], 80 * GB, weights_dtype="fp16",
                      kv_cache_dtype="int8", weight_bytes=26 * GB)
-    assert int8.kv_bytes_per_token * 2 == p.kv_bytes_per_token  # 8-bit halves fp16
+    # 8 bits halve fp16's bytes, plus one 2-byte scale per token and KV head for K and V
+    assert int8.kv_bytes_per_token == p.kv_bytes_per_token // 2 + 2 * 40 * 40 * 2
+
+
+def test_8bit_kv_blocks_against_16_and_32_bit():
+    """SmolLM2 (head_dim 64): an 8-bit block costs 64 + 2 bytes per head where float16 costs
+    128 and float32 256, so the same memory holds 1.94x and 3.88x the blocks."""
+    shape, memory = PRESETS["smollm2-135m"], 8 * GiB
+    blocks = {kv: make_plan(shape, memory, weights_dtype="fp32", kv_cache_dtype=kv).num_blocks
+              for kv in ("fp32", "fp16", "int8", "fp8")}
+    assert blocks["int8"] == blocks["fp8"]
+    assert blocks["int8"] / blocks["fp16"] == pytest.approx(128 / 66, rel=1e-3)
+    assert blocks["int8"] / blocks["fp16"] >= 1.9 and blocks["int8"] / blocks["fp32"] >= 3.8
 
 
 @pytest.mark.parametrize("shape, dtype, per_token", [
@@ -68,25 +80,32 @@ def test_levers():
     by = {name.split(" (")[0]: conc for name, _, conc in rows}
     base = by["baseline"]
     assert by["without GQA"] == pytest.approx(base / 4, rel=0.01)
-    assert by["fp8 KV cache"] == pytest.approx(base * 2, rel=0.01)
+    assert by["fp8 KV cache"] == pytest.approx(base * 256 / 130, rel=1e-3)  # scales included
     # 8 requests share 992 tokens (62 full blocks): 8 * 2000 - 7 * 992 tokens per group
     assert by["prefix sharing"] == pytest.approx(base * 2000 * 8 / (8 * 2000 - 7 * 992))
     assert by["max_model_len cap 4096"] == pytest.approx(by["every request at max_model_len"] * 2,
                                                          rel=0.01)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_blocks_equal_the_planners(tiny_llama, dtype):
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [
+    ("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "fp8"),
+    ("float32", "bfloat16")])
+def test_engine_blocks_equal_the_planners(tiny_llama, dtype, kv_cache_dtype):
     memory = 3_000_000
     llm = LLM(tiny_llama, skip_tokenizer_init=True, kv_cache_memory=memory, dtype=dtype,
-              block_size=8)
+              block_size=8, kv_cache_dtype=kv_cache_dtype)
     shape = planner.load_shape(tiny_llama)
-    itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    itemsize = 1 if kv_dtype in ("int8", "fp8") else \
+        torch.tensor([], dtype=getattr(torch, kv_dtype)).element_size()
     per_token = planner.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads,
-                                           shape.head_dim, itemsize)
+                                           shape.head_dim, itemsize,
+                                           2 if kv_dtype in ("int8", "fp8") else 0)
     assert llm.kv_cache_stats().num_blocks == planner.num_blocks(memory, per_token, 8)
+    # the cache really takes the bytes the planner counts (scales included)
+    assert llm.llm_engine.kv_cache.nbytes == per_token * 8 * llm.kv_cache_stats().num_blocks
     plan = make_plan(shape, memory + 1000, weights_dtype=dtype, weight_bytes=1000,
-                     block_size=8)
+                     block_size=8, kv_cache_dtype=kv_cache_dtype)
     assert plan.num_blocks == llm.kv_cache_stats().num_blocks
     assert plan.kv_bytes_per_token == llm.kv_cache_stats().kv_bytes_per_token
 

@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="when blocks run out: free and re-prefill later, or copy to host memory")
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="host swap pool in GiB for --preemption-mode swap")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=("auto", "float32", "bfloat16", "float16", "fp8", "int8"),
+                   help="KV cache storage: auto (the model's dtype), float32, bfloat16, float16, "
+                        "or 8 bits with a scale per token and KV head: int8, fp8 (e4m3)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,7 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                seed=args.seed if args.seed is not None else 0)
+                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed if args.seed is not None else 0)
 
 
 def _sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -428,7 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="bf16", help="weights dtype (fp32, fp16, bf16, int8, "
                                                     "fp8, int4)")
     pl.add_argument("--kv-cache-dtype", default="auto",
-                    choices=("auto", "fp32", "fp16", "bf16", "fp8", "int8"))
+                    choices=("auto", "fp32", "float32", "fp16", "float16", "bf16", "bfloat16",
+                             "fp8", "int8"),
+                    help="KV cache storage (default: the weights' dtype); fp8 and int8 add a "
+                         "2-byte scale per token and KV head")
     pl.add_argument("--weight-bytes", type=parse_memory, default=None,
                     help="the weights' size, if known (default: from the parameter count)")
     pl.add_argument("--overhead", type=parse_memory, default=None,

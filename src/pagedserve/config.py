@@ -66,22 +66,15 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes one token costs: ``2 * num_layers * num_kv_heads * head_dim * bytes``."""
-        from pagedserve import planner
-
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        return planner.kv_bytes_per_token(self.num_hidden_layers, self.num_key_value_heads,
-                                          self.head_dim, itemsize)
-
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each."""
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each, stored as
+    ``kv_cache_dtype`` (resolved: "float32", "bfloat16", "float16", "fp8" or "int8")."""
 
     block_size: int
     num_blocks: int
-    dtype: torch.dtype
+    kv_cache_dtype: str
     debug_checks: bool = field(
         default_factory=lambda: os.environ.get("PAGEDSERVE_DEBUG_KV", "0") not in ("", "0")
     )

@@ -26,7 +26,13 @@ from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, reso
 from pagedserve.core.block_manager import BlockManager, ContiguousBlockManager, cdiv
 from pagedserve.core.block_pool import root_hash
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.kv.cache import KVCache, default_kv_cache_memory, num_blocks_for_memory
+from pagedserve.kv.cache import (
+    KVCache,
+    default_kv_cache_memory,
+    kv_bytes_per_token,
+    num_blocks_for_memory,
+)
+from pagedserve.kv.quant import resolve_kv_cache_dtype
 from pagedserve.loader import open_model
 from pagedserve.model.layers import RotaryEmbedding
 from pagedserve.model.llama import LlamaForCausalLM
@@ -75,6 +81,11 @@ class LLMEngine:
         preemption_mode: "recompute" (free blocks, re-prefill later) or "swap" (copy blocks
             to a host pool of ``swap_space`` GiB; recompute when it is full).
         swap_space: host swap pool size in GiB (used with preemption_mode="swap").
+        kv_cache_dtype: how K/V are stored: "auto" (the model's dtype), "float32", "bfloat16",
+            "float16", or 8 bits with a scale per token and KV head: "int8" or "fp8" (e4m3);
+            see ``pagedserve.kv.quant`` for the error bounds.
+        kv_allocator: "paged" or "contiguous" (the pre-paging ablation: max_model_len slots
+            reserved per request).
     Raises:
         FileNotFoundError, ValueError (ModelLoadError): bad model path or file, or options
         that do not fit together (the message names the numbers).
@@ -87,7 +98,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, seed: int = 0,
                  skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", swap_space: float = 4.0,
-                 kv_allocator: str = "paged"):
+                 kv_cache_dtype: str = "auto", kv_allocator: str = "paged"):
         _check_options(block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
@@ -113,6 +124,7 @@ class LLMEngine:
         self.kv_allocator = kv_allocator
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_spec = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         source = open_model(model)
         self.model_path = source.path
         self.model_config = cfg = source.config
@@ -138,14 +150,15 @@ class LLMEngine:
         self.model = net.eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
 
-        kv_bytes_per_token = cfg.kv_bytes_per_token(self.dtype)
+        spec = self.kv_cache_spec
+        self.kv_bytes_per_token = per_token = kv_bytes_per_token(cfg, spec)
         if num_kv_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = default_kv_cache_memory(self.device)
-            num_kv_blocks = num_blocks_for_memory(kv_cache_memory, cfg, block_size, self.dtype)
+            num_kv_blocks = num_blocks_for_memory(kv_cache_memory, cfg, block_size, spec)
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block of "
-                                 f"{kv_bytes_per_token * block_size} bytes")
+                                 f"{per_token * block_size} bytes")
         capacity = num_kv_blocks * block_size
         if max_model_len is None:
             max_model_len = min(model_limit, capacity)
@@ -153,14 +166,14 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={max_model_len} needs {cdiv(max_model_len, block_size)} KV blocks "
                 f"but the cache has {num_kv_blocks}; lower max_model_len or raise kv_cache_memory")
-        self.cache_config = CacheConfig(block_size, num_kv_blocks, self.dtype)
+        self.cache_config = CacheConfig(block_size, num_kv_blocks, spec.name)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                                 max_model_len)
         self.model.rotary = RotaryEmbedding(cfg, max_model_len).to(self.device)
         num_swap_blocks = 0
         if preemption_mode == "swap":
-            num_swap_blocks = int(swap_space * 2**30) // (kv_bytes_per_token * block_size)
-        self.kv_cache = KVCache.allocate(cfg, num_kv_blocks, block_size, self.dtype, self.device,
+            num_swap_blocks = int(swap_space * 2**30) // (per_token * block_size)
+        self.kv_cache = KVCache.allocate(cfg, num_kv_blocks, block_size, spec, self.device,
                                          num_swap_blocks)
         if kv_allocator == "contiguous":  # the pre-paging baseline, no prefix caching
             self.block_manager = ContiguousBlockManager(num_kv_blocks, block_size,
@@ -192,8 +205,8 @@ class LLMEngine:
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, weight_bytes / 1e6,
             str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0)
         logger.info(
-            "KV cache: %d bytes per token, %d blocks of %d tokens (%.2f GiB), capacity %d tokens, "
-            "max concurrency %.2fx at max_model_len=%d", kv_bytes_per_token, num_kv_blocks,
+            "KV cache: %d bytes per token (%s), %d blocks of %d tokens (%.2f GiB), capacity %d "
+            "tokens, max concurrency %.2fx at max_model_len=%d", per_token, spec.name, num_kv_blocks,
             block_size, self.kv_cache.nbytes / 2**30, capacity, capacity / max_model_len,
             max_model_len)
 
@@ -285,6 +298,8 @@ class LLMEngine:
         )
         if beam:
             request.beam = BeamSearchState(params, len(ids), request.eos_token_ids)
+        elif params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(ids)
         request.seqs.append(self._new_sequence(request, 0, list(ids)))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -362,7 +377,10 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-        seqs, logits = self.runner.execute(sched)
+        result = self.runner.execute(sched)
+        seqs, logits = result.sample_seqs, result.logits
+        if result.prompt_rows:
+            self._record_prompt_logprobs(result.prompt_rows, result.prompt_logits)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         self._track_usage()
@@ -524,6 +542,33 @@ class LLMEngine:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += out.sampled_logprobs[i]
 
+    def _record_prompt_logprobs(self, items: list[tuple[Sequence, int, int]],
+                                logits: torch.Tensor) -> None:
+        """Row r of ``logits`` [rows, vocab] predicts the prompt token after its position."""
+        targets = [t for seq, first, count in items
+                   for t in seq.request.prompt_token_ids[first + 1:first + 1 + count]]
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        k = max(seq.request.params.prompt_logprobs for seq, _, _ in items)
+        top = logprobs.topk(k, dim=-1) if k else None
+        top_ids = top.indices.tolist() if k else None
+        top_lps = top.values.tolist() if k else None
+        chosen = chosen[:, 0].tolist()
+        row = 0
+        for seq, first, count in items:
+            request = seq.request
+            want = request.params.prompt_logprobs
+            for pos in range(first + 1, first + 1 + count):
+                token = request.prompt_token_ids[pos]
+                entry = {token: Logprob(chosen[row], ranks[row], self._decode_token(token))}
+                for rank, tid in enumerate(top_ids[row][:want] if want else (), 1):
+                    if tid not in entry:
+                        entry[tid] = Logprob(top_lps[row][rank - 1], rank,
+                                             self._decode_token(tid))
+                request.prompt_logprobs[pos] = entry
+                row += 1
+
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -542,9 +587,11 @@ class LLMEngine:
                 for i, h in enumerate(request.beam.finished)]
         else:
             completions = [self._completion(s) for s in request.seqs]
+        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished,
-                             num_cached_tokens=request.num_cached_tokens, metrics=request.metrics)
+                             num_cached_tokens=request.num_cached_tokens, metrics=request.metrics,
+                             prompt_logprobs=prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         token_ids = seq.output_token_ids
@@ -583,7 +630,7 @@ class LLMEngine:
             peak_used_blocks=self.peak_used_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             kv_token_utilization=self.kv_token_utilization,
-            kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype),
+            kv_bytes_per_token=self.kv_bytes_per_token,
             num_cached_blocks=pool.num_cached_blocks,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,

@@ -67,6 +67,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first), its Logprob
+    # and the top alternatives.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """KV-cache capacity planning: the arithmetic operators size deployments with, from a model's
 real shape, and the one source of the engine's own KV sizing.
 
-    kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    kv_bytes_per_token = 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
     kv_budget          = memory - weights - activation overhead        (per worker under TP)
     num_blocks         = kv_budget // (kv_bytes_per_token * block_size)
     tokens_max         = num_blocks * block_size
     concurrency        = tokens_max / tokens per request
 
+``scale_bytes`` is 2 for an 8-bit cache (one bfloat16 scale per token and KV head), else 0.
 Memory is stated in both GB (10**9 bytes) and GiB (2**30 bytes) everywhere. GQA/MQA enter
 through num_kv_heads; an explicit head_dim (not hidden / heads) is honoured. Sources: the
 PagedAttention paper (Kwon et al., SOSP 2023, section 3) for the KV cost and block sizing.
@@ -25,6 +26,9 @@ GB, GiB = 10**9, 2**30
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
                "fp8": 1, "int8": 1, "int4": 0.5}
 KV_CACHE_DTYPES = ("auto", "fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "int8")
+# An 8-bit KV cache also stores one bfloat16 scale per token and KV head, for K and for V
+# (pagedserve.kv.quant); full-precision caches store none.
+KV_SCALE_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -152,9 +156,15 @@ def kv_heads_per_worker(num_kv_heads: int, tensor_parallel_size: int = 1) -> int
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype_bytes: float) -> int:
-    """``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes``, in bytes."""
-    return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)
+                       dtype_bytes: float, scale_bytes: int = 0) -> int:
+    """``2 (K and V) * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)``,
+    in bytes; ``scale_bytes`` per token and KV head for an 8-bit cache's scales."""
+    return int(2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes))
+
+
+def kv_scale_bytes(kv_dtype: str) -> int:
+    """Scale bytes per token and KV head that a KV cache of ``kv_dtype`` stores."""
+    return KV_SCALE_BYTES if kv_dtype in ("fp8", "int8") else 0
 
 
 def num_blocks(kv_budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
@@ -228,7 +238,8 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
     budget = memory_bytes - per_worker - overhead_bytes
     per_token = kv_bytes_per_token(shape.num_layers,
                                    kv_heads_per_worker(shape.num_kv_heads, tensor_parallel_size),
-                                   shape.head_dim, dtype_bytes(kv_dtype))
+                                   shape.head_dim, dtype_bytes(kv_dtype),
+                                   kv_scale_bytes(kv_dtype))
     if budget < per_token * block_size:
         raise ValueError(
             f"{shape.name}: {_both(memory_bytes)} per worker holds no KV cache: the weights "

@@ -1,5 +1,6 @@
 """ModelRunner: one scheduled batch -> block copies, input tensors and AttentionMetadata ->
-forward -> logits of the sequences that sample.
+forward -> logits of the sequences that sample (and of the prompt positions of requests that
+asked for prompt logprobs).
 
 Tokens of a step are laid out decodes first, sorted by context length and cut into groups of
 similar length, then the prefill chunks (see attention/metadata.py). Only the rows of requests whose scheduled chunk reaches their last token are projected to
@@ -7,6 +8,8 @@ logits and sampled; a partial prefill chunk only fills the KV cache.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +42,19 @@ def split_decodes(decodes: list[tuple[Sequence, int]]) -> list[list[tuple[Sequen
     return groups
 
 
+@dataclass
+class ModelRunnerOutput:
+    """``logits`` [len(sample_seqs), vocab] float32: one row per sequence that samples, in
+    order. ``prompt_logits`` [sum of counts, vocab] float32: for each (sequence, first, count)
+    of ``prompt_rows``, the rows at positions first .. first + count - 1, which predict prompt
+    tokens first + 1 .. first + count."""
+
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
         self.model = model
@@ -47,17 +63,25 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         cfg = model.config
         self.num_queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
-        self._k_workspace = self._v_workspace = torch.empty(0)
+        self._workspaces: dict[str, torch.Tensor | None] = {"k": torch.empty(0)}
 
-    def _workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather buffers with at least ``rows`` blocks; grown, never shrunk, so the pages are
-        touched once instead of every layer."""
-        if self._k_workspace.shape[0] < rows:
-            shape = (max(rows, int(self._k_workspace.shape[0] * 1.5)),
-                     *self.kv_cache.kv.shape[3:])
-            self._k_workspace = torch.empty(shape, dtype=self.kv_cache.kv.dtype, device=self.device)
-            self._v_workspace = torch.empty_like(self._k_workspace)
-        return self._k_workspace, self._v_workspace
+    def _workspace(self, rows: int) -> dict[str, torch.Tensor | None]:
+        """Gather buffers (AttentionMetadata's ``*_workspace``) with at least ``rows`` blocks;
+        grown, never shrunk, so the pages are touched once instead of every layer."""
+        ws = self._workspaces
+        if ws["k"].shape[0] < rows:
+            spec, dev = self.kv_cache.spec, self.device
+            shape = (max(rows, int(ws["k"].shape[0] * 1.5)), *self.kv_cache.kv.shape[3:])
+            ws = {"k": torch.empty(shape, dtype=spec.compute_dtype, device=dev),
+                  "v": torch.empty(shape, dtype=spec.compute_dtype, device=dev),
+                  "raw": None, "scale": None}
+            if spec.storage_dtype != spec.compute_dtype:
+                ws["raw"] = torch.empty(shape, dtype=spec.storage_dtype, device=dev)
+            if self.kv_cache.scales is not None:
+                ws["scale"] = torch.empty(shape[:-1], dtype=self.kv_cache.scales.dtype,
+                                          device=dev)
+            self._workspaces = ws
+        return ws
 
     def _group(self, items: list[tuple[Sequence, int]]):
         return build_group(
@@ -68,18 +92,20 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: swap-out, swap-in and copy-on-write block copies, then the forward.
-        Returns the sequences whose scheduled chunk reaches their last token and their logits
-        [num_sequences, vocab] float32 (rows in the same order). Changes no sequence."""
+        Returns the logits of the sequences whose scheduled chunk reaches their last token, and
+        of the computed prompt positions of requests that want prompt logprobs. Changes no
+        sequence."""
         if sched.blocks_to_swap_out:
             self.kv_cache.swap_out(sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:
             self.kv_cache.swap_in(sched.blocks_to_swap_in)
         if sched.blocks_to_copy:
             self.kv_cache.copy_blocks(sched.blocks_to_copy)
+        out = ModelRunnerOutput()
         if not sched.scheduled:
-            return [], None
+            return out
         groups = split_decodes([(s, n) for s, n in sched.scheduled if n == 1])
         prefills = [(s, n) for s, n in sched.scheduled if n > 1]
         if prefills:
@@ -89,28 +115,36 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        prompt_rows: list[int] = []
         for seq, n in (item for group in groups for item in group):
             start = seq.num_computed_tokens
+            num_prompt = len(seq.request.prompt_token_ids)
+            if seq.request.prompt_logprobs is not None and seq.index == 0 \
+                    and start < num_prompt - 1:
+                count = min(start + n, num_prompt - 1) - start
+                out.prompt_rows.append((seq, start, count))
+                prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
+                out.sample_seqs.append(seq)
         attn_groups = [self._group(g) for g in groups]
-        k_ws, v_ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
+        ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            groups=attn_groups, k_workspace=k_ws, v_workspace=v_ws,
+            groups=attn_groups, k_workspace=ws["k"], v_workspace=ws["v"],
+            raw_workspace=ws["raw"], scale_workspace=ws["scale"],
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache.layers, md,
         )
-        if not sample_seqs:
-            return [], None
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        return sample_seqs, self.model.compute_logits(hidden[rows])
+        for rows, name in ((sample_rows, "logits"), (prompt_rows, "prompt_logits")):
+            if rows:
+                index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+                setattr(out, name, self.model.compute_logits(hidden[index]))
+        return out

@@ -49,6 +49,9 @@ class SamplingParams:
         ignore_eos: keep generating past EOS. max_tokens: None means up to max_model_len.
         min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
         logprobs: return the sampled token's logprob plus this many top alternatives (0..20).
+        prompt_logprobs: return each prompt token's logprob (given the tokens before it) plus
+            this many top alternatives (0..20); such a request does not use prefix-cache hits,
+            since every prompt position must be computed.
         output_kind: CUMULATIVE, DELTA (streaming) or FINAL_ONLY outputs from ``LLMEngine.step``.
     Raises:
         ValueError: for any value out of range, with the field name and value.
@@ -69,6 +72,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -90,9 +94,10 @@ class SamplingParams:
         def fail(msg: str) -> None:
             raise ValueError(msg)
 
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs",
+                     "seed"):
             value = getattr(self, name)
-            optional = name in ("max_tokens", "logprobs", "seed")
+            optional = name in ("max_tokens", "logprobs", "prompt_logprobs", "seed")
             if (value is not None or not optional) and not _is_int(value):
                 fail(f"{name} must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -132,6 +137,8 @@ class SamplingParams:
             fail(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             fail(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

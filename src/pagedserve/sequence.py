@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.outputs import RequestMetrics, SampleLogprobs
+from pagedserve.outputs import Logprob, RequestMetrics, SampleLogprobs
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer
 
@@ -119,6 +119,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     beam: BeamSearchState | None = None
     num_cached_tokens: int = 0
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (and for
+    # positions not computed yet).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def max_num_seqs(self) -> int:

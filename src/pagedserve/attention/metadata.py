@@ -42,12 +42,17 @@ class AttentionGroup:
 class AttentionMetadata:
     """Shapes: ``slot_mapping`` [num_tokens] int64, the cache row each new token's K/V go to.
     ``k_workspace``/``v_workspace`` [rows, block_size, num_kv_heads, head_dim]: reusable buffers
-    the K/V of a group are gathered into (allocated once, reused by every layer and step)."""
+    the K/V of a group are gathered into, in the model's dtype (allocated once, reused by every
+    layer and step). When the cache stores another dtype, ``raw_workspace`` (same shape, the
+    cache's dtype) and, for an 8-bit cache, ``scale_workspace`` [rows, block_size,
+    num_kv_heads] receive the gathered blocks before they are converted."""
 
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
     k_workspace: torch.Tensor
     v_workspace: torch.Tensor
+    raw_workspace: torch.Tensor | None = None
+    scale_workspace: torch.Tensor | None = None
 
 
 def _pad_block_ids(block_tables: list[list[int]]) -> tuple[int, list[int]]:

@@ -3,7 +3,10 @@
 New K/V are written to their slots through ``slot_mapping``; each group of requests then
 gathers its blocks through the block tables into a workspace and runs
 ``scaled_dot_product_attention`` with the group's mask. One call serves a mixed batch of
-decodes and prefill chunks (queries over cached context plus the new tokens, causal).
+decodes and prefill chunks (queries over cached context plus the new tokens, causal). An 8-bit cache is quantized
+on the write and dequantized into the workspace on the gather (kv/quant.py), so attention
+itself always runs in the model's dtype; every query, the new tokens' own included, reads K/V
+as the cache holds them.
 """
 
 from __future__ import annotations
@@ -12,27 +15,50 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedserve.kv.cache import LayerKVCache
+from pagedserve.kv.quant import dequantize, quantize
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
              slot_mapping: torch.Tensor) -> None:
-    """Store ``k``/``v`` [num_tokens, num_kv_heads, head_dim] into the caches
-    [num_blocks, block_size, num_kv_heads, head_dim] at rows ``slot_mapping`` [num_tokens]."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Store ``k``/``v`` [num_tokens, num_kv_heads, head_dim] into the cache's
+    [num_blocks, block_size, num_kv_heads, head_dim] tensors at rows ``slot_mapping``
+    [num_tokens], quantized (with their scales) for an 8-bit cache."""
+    num_kv_heads, head_dim = cache.k.shape[2], cache.k.shape[3]
+    for new, data, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        if scales is None:
+            data.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                              new.to(data.dtype))
+        else:
+            q, s = quantize(new, cache.spec.name)
+            data.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, q)
+            scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, s)
 
 
-def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  g: AttentionGroup, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def _gather(data: torch.Tensor, scales: torch.Tensor | None, cache: LayerKVCache,
+            block_ids: torch.Tensor, out: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    """Blocks ``block_ids`` of ``data`` -> ``out`` [rows, block_size, num_kv_heads, head_dim] in
+    the model's dtype (through the raw workspaces when the cache stores another dtype)."""
+    rows = out.shape[0]
+    if data.dtype == out.dtype:
+        return torch.index_select(data, 0, block_ids, out=out)
+    raw = torch.index_select(data, 0, block_ids, out=md.raw_workspace[:rows])
+    if scales is None:
+        return out.copy_(raw)
+    s = torch.index_select(scales, 0, block_ids, out=md.scale_workspace[:rows])
+    return dequantize(raw, s, cache.spec.name, out=out)
+
+
+def _attend_group(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
+                  md: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] of one group -> output of the same shape."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, head_dim = cache.k.shape
     num_heads = q.shape[1]
     n_q = num_heads // num_kv_heads
     b, qlen, max_len = g.num_seqs, g.max_query_len, g.max_blocks * block_size
     rows = b * g.max_blocks
-    k = torch.index_select(k_cache, 0, g.block_ids, out=md.k_workspace[:rows])
-    v = torch.index_select(v_cache, 0, g.block_ids, out=md.v_workspace[:rows])
+    k = _gather(cache.k, cache.k_scale, cache, g.block_ids, md.k_workspace[:rows], md)
+    v = _gather(cache.v, cache.v_scale, cache, g.block_ids, md.v_workspace[:rows], md)
     k = k.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
     if g.query_index is None:  # decodes: one query per request, G rows per KV head
@@ -46,22 +72,22 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.reshape(b * qlen, num_heads, head_dim)[g.output_index]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                    md: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of one layer over the paged cache.
 
     Args:
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], the
-            new tokens' keys and values (written to the cache first).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+            new tokens' keys and values (written to the cache first), all in the model's dtype.
+        cache: the layer's K/V (and scales) [num_blocks, block_size, num_kv_heads, head_dim].
     Returns:
         [num_tokens, num_heads, head_dim], in the token order of ``q``.
     """
-    write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    write_kv(k, v, cache, md.slot_mapping)
     if len(md.groups) == 1:
-        return _attend_group(q, k_cache, v_cache, md.groups[0], md, scale)
+        return _attend_group(q, cache, md.groups[0], md, scale)
     outs, start = [], 0
     for g in md.groups:
-        outs.append(_attend_group(q[start:start + g.num_tokens], k_cache, v_cache, g, md, scale))
+        outs.append(_attend_group(q[start:start + g.num_tokens], cache, g, md, scale))
         start += g.num_tokens
     return torch.cat(outs)

@@ -56,8 +56,10 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq``'s tokens (none when caching is
-        off or the sequence already has blocks). Changes nothing."""
-        if not self.pool.enable_caching or seq.block_table or seq.num_computed_tokens:
+        off, the sequence already has blocks, or its request wants prompt logprobs, which
+        need every position computed). Changes nothing."""
+        if not self.pool.enable_caching or seq.block_table or seq.num_computed_tokens \
+                or seq.request.prompt_logprobs is not None:
             return []
         self._update_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is computed

@@ -7,12 +7,16 @@ block table gathers whole blocks whose rows are already in position order. All l
 one allocation ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. It starts
 zeroed so that never-written slots hold finite values (a masked score's zero weight times a
 NaN would still be NaN). On CPU the zeros come from calloc (through numpy), so the OS commits
-pages as blocks are first written instead of at start-up.
+pages as blocks are first written instead of at start-up. An 8-bit cache (``kv_cache_dtype``
+"int8" or "fp8", see kv/quant.py) holds bytes in ``kv`` and one scale per token and KV head in
+``scales`` [num_layers, 2, num_blocks, block_size, num_kv_heads]; every block operation (copy,
+swap) moves both, so a block's scales never part from its bytes.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
@@ -20,6 +24,7 @@ import torch
 
 from pagedserve import planner
 from pagedserve.config import ModelConfig
+from pagedserve.kv.quant import SCALE_DTYPE, KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +43,17 @@ def default_kv_cache_memory(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * CPU_KV_CACHE_MEMORY_FRACTION)
 
 
+def kv_bytes_per_token(model: ModelConfig, spec: KVCacheSpec) -> int:
+    """Bytes one token's K/V cost in a cache stored as ``spec``, scales included."""
+    return planner.kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
+                                      model.head_dim, spec.element_bytes, spec.scale_bytes)
+
+
 def num_blocks_for_memory(kv_cache_memory: int, model: ModelConfig, block_size: int,
-                          dtype: torch.dtype) -> int:
+                          spec: KVCacheSpec) -> int:
     """How many blocks fit in ``kv_cache_memory`` bytes (the planner's rule, so that
     ``pagedserve plan`` and the engine agree)."""
-    return planner.num_blocks(kv_cache_memory, model.kv_bytes_per_token(dtype), block_size)
+    return planner.num_blocks(kv_cache_memory, kv_bytes_per_token(model, spec), block_size)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,31 +64,58 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(raw).view(dtype)
 
 
+def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    if pinned:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return _zeros(shape, dtype, torch.device("cpu"))
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's view of the cache: ``k``/``v`` [num_blocks, block_size, num_kv_heads,
+    head_dim] of ``spec.storage_dtype``; for an 8-bit cache ``k_scale``/``v_scale``
+    [num_blocks, block_size, num_kv_heads] bfloat16, else None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    spec: KVCacheSpec
+
+
 class KVCache:
-    """Owns the K/V tensors. ``layers[i]`` is ``(k_cache, v_cache)`` of layer i, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype`` on ``device``. ``swap``
-    is the host swap pool ``[num_layers, 2, num_swap_blocks, block_size, num_kv_heads,
-    head_dim]`` (PagedAttention sec. 4.5), pinned when the cache is on CUDA."""
+    """Owns the K/V tensors. ``layers[i]`` is layer i's :class:`LayerKVCache`. ``swap`` (and
+    ``swap_scales`` for an 8-bit cache) is the host swap pool, shaped like ``kv`` (and
+    ``scales``) with ``num_swap_blocks`` blocks (PagedAttention sec. 4.5), pinned when the
+    cache is on CUDA."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, num_swap_blocks: int = 0):
+                 spec: KVCacheSpec, device: torch.device, num_swap_blocks: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.spec = spec
         shape = (model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
                  model.head_dim)
-        self.kv = _zeros(shape, dtype, device)
-        self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(model.num_hidden_layers)]
         swap_shape = (*shape[:2], num_swap_blocks, *shape[3:])
-        if device.type == "cuda":
-            self.swap = torch.zeros(swap_shape, dtype=dtype, pin_memory=True)
-        else:
-            self.swap = _zeros(swap_shape, dtype, torch.device("cpu"))
+        pinned = device.type == "cuda"
+        self.kv = _zeros(shape, spec.storage_dtype, device)
+        self.swap = _host_zeros(swap_shape, spec.storage_dtype, pinned)
+        self.scales = self.swap_scales = None
+        if spec.quantized:
+            self.scales = _zeros(shape[:-1], SCALE_DTYPE, device)
+            self.swap_scales = _host_zeros(swap_shape[:-1], SCALE_DTYPE, pinned)
+        self.layers = [
+            LayerKVCache(self.kv[i, 0], self.kv[i, 1],
+                         None if self.scales is None else self.scales[i, 0],
+                         None if self.scales is None else self.scales[i, 1], spec)
+            for i in range(model.num_hidden_layers)
+        ]
 
     @classmethod
-    def allocate(cls, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def allocate(cls, model: ModelConfig, num_blocks: int, block_size: int, spec: KVCacheSpec,
                  device: torch.device, num_swap_blocks: int = 0) -> KVCache:
         """Allocate after checking the memory exists. Raises ValueError naming the sizes."""
-        block_bytes = model.kv_bytes_per_token(dtype) * block_size
+        block_bytes = kv_bytes_per_token(model, spec) * block_size
         nbytes, swap_bytes = block_bytes * num_blocks, block_bytes * num_swap_blocks
         host = psutil.virtual_memory().available
         device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host
@@ -93,31 +131,42 @@ class KVCache:
                              "available (after the swap space); lower kv_cache_memory or "
                              "num_kv_blocks")
         try:
-            return cls(model, num_blocks, block_size, dtype, device, num_swap_blocks)
+            return cls(model, num_blocks, block_size, spec, device, num_swap_blocks)
         except (MemoryError, torch.OutOfMemoryError) as e:
             raise ValueError(f"cannot allocate a KV cache of {nbytes / 2**30:.2f} GiB: {e}") from e
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """Device bytes of K/V and scales."""
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.kv.numel() * self.kv.element_size() + scales
 
     def _index(self, ids: list[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=device)
 
+    def _pairs(self):
+        """(device tensor, host tensor) pairs a block operation moves: K/V, then scales."""
+        yield self.kv, self.swap
+        if self.scales is not None:
+            yield self.scales, self.swap_scales
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> block dst in every layer, for each (src, dst)."""
         src, dst = zip(*pairs)
-        dev = self.kv.device
-        self.kv.index_copy_(2, self._index(dst, dev), self.kv.index_select(2, self._index(src, dev)))
+        for t, _ in self._pairs():
+            t.index_copy_(2, self._index(dst, t.device),
+                          t.index_select(2, self._index(src, t.device)))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> host block, for each (device, host)."""
         dev_ids, host_ids = zip(*pairs)
-        blocks = self.kv.index_select(2, self._index(dev_ids, self.kv.device))
-        self.swap.index_copy_(2, self._index(host_ids, self.swap.device), blocks.to("cpu"))
+        for dev, host in self._pairs():
+            blocks = dev.index_select(2, self._index(dev_ids, dev.device))
+            host.index_copy_(2, self._index(host_ids, host.device), blocks.to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host block -> device block, for each (host, device)."""
         host_ids, dev_ids = zip(*pairs)
-        blocks = self.swap.index_select(2, self._index(host_ids, self.swap.device))
-        self.kv.index_copy_(2, self._index(dev_ids, self.kv.device), blocks.to(self.kv.device))
+        for dev, host in self._pairs():
+            blocks = host.index_select(2, self._index(host_ids, host.device))
+            dev.index_copy_(2, self._index(dev_ids, dev.device), blocks.to(dev.device))

@@ -15,6 +15,7 @@ from torch import nn
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import paged_attention
 from pagedserve.config import ModelConfig
+from pagedserve.kv.cache import LayerKVCache
 
 
 class RMSNorm(nn.Module):
@@ -118,8 +119,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
-                ) -> torch.Tensor:
+                kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this layer's new K/V into ``kv_cache``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -127,5 +127,5 @@ class Attention(nn.Module):
         qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], md, self.scale)
+        out = paged_attention(q, k, v, kv_cache, md, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))

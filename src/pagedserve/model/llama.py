@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import ModelConfig
+from pagedserve.kv.cache import LayerKVCache
 from pagedserve.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
 
@@ -49,8 +50,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata
-                ) -> torch.Tensor:
+                kv_caches: list[LayerKVCache], md: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)

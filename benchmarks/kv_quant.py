@@ -1,0 +1,162 @@
+"""8-bit KV cache against the unquantized cache on SmolLM2-135M-Instruct, in one process.
+
+For each ``kv_cache_dtype`` it prints:
+- blocks: how many KV blocks the same memory holds, and the ratio to float16's and float32's;
+- perplexity on real English text (benchmarks/corpus.py), teacher-forced through the paged
+  cache: windows of ``--window`` tokens, prefilled in chunks of 512 so later chunks read the
+  stored (quantized) K/V of earlier ones, the logprob of every token after the first of its
+  window (``SamplingParams(prompt_logprobs=0)``);
+- mean |logprob difference| of those text tokens against the reference cache;
+- greedy agreement: the share of 32 chat prompts whose first 64 greedy tokens equal the
+  reference's, and the mean |logprob difference| of the chosen tokens over the tokens both runs
+  share (up to the first divergence);
+- throughput: output tokens/s of the 32 greedy chats (batch of 32, decode-heavy).
+
+The model computes in ``--dtype`` (float32 by default, so the reference cache loses nothing);
+only the cache's storage changes between rows.
+
+    python benchmarks/kv_quant.py                          # all modes, >= 20,000 text tokens
+    python benchmarks/kv_quant.py --modes int8 --text-tokens 4000   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from corpus import english_text  # noqa: E402
+
+from pagedserve import LLM, SamplingParams, planner  # noqa: E402
+from pagedserve.loader.default_model import default_model_path  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.", "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?", "Give me three tips for better sleep.",
+    "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of Romeo and Juliet.", "How does a refrigerator keep food cold?",
+    "What is 17 times 23?", "Name three famous painters and one work by each.",
+    "Why is the sky blue?", "Write a short thank-you note to a teacher.",
+    "What is a prime number? Give examples.", "How do vaccines work?",
+    "Describe a healthy breakfast.", "What are the main causes of climate change?",
+    "Translate 'good morning' into Spanish, French and German.",
+    "What is the Pythagorean theorem?", "How can I improve my public speaking?",
+    "Explain what an API is to a beginner.", "What is the tallest mountain in the world?",
+    "Suggest a name for a coffee shop and explain it.", "How do plants drink water?",
+    "What is the difference between weather and climate?",
+    "Write two sentences about the history of the bicycle.",
+    "What should I pack for a weekend hiking trip?", "How does the internet work, briefly?",
+    "What is machine learning?", "Give a recipe for a simple tomato soup.",
+    "Why do cats purr?", "What are the planets of the solar system?",
+]
+MODES = ("float32", "bfloat16", "float16", "int8", "fp8")
+
+
+def text_windows(tokenizer, num_tokens: int, window: int) -> list[list[int]]:
+    ids = tokenizer.encode(english_text())
+    need = math.ceil(num_tokens / (window - 1)) * window
+    if need > len(ids):
+        raise SystemExit(f"the corpus has {len(ids)} tokens, {need} needed")
+    return [ids[i:i + window] for i in range(0, need, window)]
+
+
+def text_logprobs(llm: LLM, windows: list[list[int]]) -> list[float]:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    return [entry[w[pos]].logprob for w, o in zip(windows, outs)
+            for pos, entry in enumerate(o.prompt_logprobs) if entry is not None]
+
+
+def chats(llm: LLM, max_tokens: int) -> tuple[list[list[int]], list[list[float]], float]:
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outs]
+    return tokens, logprobs, sum(map(len, tokens)) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="float32", help="the model's compute dtype")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                    help="KV cache dtypes; the first is the reference")
+    ap.add_argument("--text-tokens", type=int, default=20_480,
+                    help="text tokens scored for perplexity (at least this many)")
+    ap.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
+    ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per chat")
+    ap.add_argument("--memory", type=float, default=1.0, help="KV memory in GiB per mode")
+    ap.add_argument("--output", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+
+    model = args.model or str(default_model_path())
+    memory = int(args.memory * 2**30)
+    rows, ref = [], None
+    for mode in args.modes:
+        llm = LLM(model, dtype=args.dtype, kv_cache_dtype=mode, kv_cache_memory=memory,
+                  max_model_len=2048)
+        if ref is None:
+            windows = text_windows(llm.get_tokenizer(), args.text_tokens, args.window)
+        t0 = time.perf_counter()
+        lps = text_logprobs(llm, windows)
+        text_s = time.perf_counter() - t0
+        tokens, chosen, tok_s = chats(llm, args.max_tokens)
+        stats = llm.kv_cache_stats()
+        row = dict(mode=mode, num_blocks=stats.num_blocks,
+                   kv_bytes_per_token=stats.kv_bytes_per_token,
+                   num_text_tokens=len(lps), perplexity=math.exp(-sum(lps) / len(lps)),
+                   text_seconds=text_s, chat_tokens_per_s=tok_s)
+        if ref is None:
+            ref = dict(lps=lps, tokens=tokens, chosen=chosen, row=row)
+        else:
+            row["text_logprob_mad"] = sum(abs(a - b) for a, b in zip(lps, ref["lps"])) / len(lps)
+            row["greedy_identical"] = sum(a[:64] == b[:64] for a, b in
+                                          zip(tokens, ref["tokens"])) / len(tokens)
+            diffs = []
+            for ta, tb, la, lb in zip(tokens, ref["tokens"], chosen, ref["chosen"]):
+                for x, y, lx, ly in zip(ta, tb, la, lb):
+                    if x != y:
+                        break
+                    diffs.append(abs(lx - ly))
+            row["chosen_logprob_mad"] = sum(diffs) / len(diffs)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del llm
+
+    blocks = {r["mode"]: r["num_blocks"] for r in rows}
+    shape = planner.load_shape(model)
+    for kv in ("float32", "float16"):  # the ratio needs both even when a mode was not run
+        if kv not in blocks:
+            blocks[kv] = planner.make_plan(shape, memory + 1, weight_bytes=1,
+                                           kv_cache_dtype=kv).num_blocks
+    base = rows[0]
+    print(f"\nSmolLM2-135M-Instruct, model in {args.dtype}, {args.memory:g} GiB of KV; "
+          f"perplexity over {base['num_text_tokens']:,} tokens; reference cache {base['mode']}")
+    print(f"{'kv_cache_dtype':>14} {'bytes/token':>11} {'blocks':>7} {'vs fp16':>7} "
+          f"{'vs fp32':>7} {'perplexity':>10} {'ppl diff':>8} {'|dlogp| text':>12} "
+          f"{'greedy same':>11} {'|dlogp| chosen':>14} {'tok/s':>6}")
+    for r in rows:
+        extra = ("-", "-", "-", "-") if r is base else (
+            f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}%",
+            f"{r['text_logprob_mad']:.4f}", f"{100 * r['greedy_identical']:.0f}%",
+            f"{r['chosen_logprob_mad']:.4f}")
+        print(f"{r['mode']:>14} {r['kv_bytes_per_token']:>11,} {r['num_blocks']:>7,} "
+              f"{r['num_blocks'] / blocks['float16']:>6.2f}x "
+              f"{r['num_blocks'] / blocks['float32']:>6.2f}x {r['perplexity']:>10.3f} "
+              f"{extra[0]:>8} {extra[1]:>12} {extra[2]:>11} {extra[3]:>14} "
+              f"{r['chat_tokens_per_s']:>6.1f}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
