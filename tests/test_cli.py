@@ -108,12 +108,17 @@ def test_non_utf8_inputs(tmp_path, capsys):
 
 def test_logprobs_in_jsonl_output(tiny_llama, tmp_path):
     src = tmp_path / "p.jsonl"
-    src.write_text('{"prompt": "hello", "logprobs": 2, "max_tokens": 3}\n')
+    src.write_text('{"prompt": "hello", "logprobs": 2, "max_tokens": 3, "prompt_logprobs": 1}\n'
+                   '{"prompt": "hello", "max_tokens": 1}\n')
     out = tmp_path / "o.jsonl"
     assert main(["generate", "--input", str(src), "--output", str(out), "--model", tiny_llama,
                  "--num-kv-blocks", "64", "--no-chat", "--ignore-eos"]) == 0
-    row = json.loads(out.read_text())
+    row, plain = map(json.loads, out.read_text().splitlines())
     assert len(row["logprobs"]) == 3 and all(2 <= len(e) <= 3 for e in row["logprobs"])
+    assert row["prompt_logprobs"][0] is None
+    assert len(row["prompt_logprobs"]) == row["num_prompt_tokens"]
+    assert all(1 <= len(e) <= 2 for e in row["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in plain
 
 
 def test_unwritable_output_refused_before_loading(tmp_path, capsys):

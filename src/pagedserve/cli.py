@@ -227,6 +227,10 @@ def _row(index: int, out) -> dict[str, Any]:
     row = {"index": index, "prompt": out.prompt, **_completion_fields(out.outputs[0]),
            "num_prompt_tokens": len(out.prompt_token_ids),
            "num_cached_tokens": out.num_cached_tokens}
+    if out.prompt_logprobs is not None:
+        row["prompt_logprobs"] = [None if entry is None else
+                                  {str(t): lp.logprob for t, lp in entry.items()}
+                                  for entry in out.prompt_logprobs]
     if len(out.outputs) > 1:
         row["outputs"] = [_completion_fields(c) for c in out.outputs]
     return row
