@@ -148,3 +148,17 @@ def test_prompt_logprobs_equal_transformers(tiny_llama, budget):
             assert set(top) <= set(entry) and len(entry) in (3, 4)
     with pytest.raises(ValueError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_delta_stream_sends_prompt_logprobs_once(tiny_llama):
+    from pagedserve.sampling_params import RequestOutputKind
+
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=64)
+    engine = llm.llm_engine
+    engine.add_request("d", {"prompt_token_ids": PROMPTS[4]}, SamplingParams(
+        max_tokens=4, ignore_eos=True, prompt_logprobs=0, output_kind=RequestOutputKind.DELTA))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 4 and len(outs[0].prompt_logprobs) == len(PROMPTS[4])
+    assert all(o.prompt_logprobs is None for o in outs[1:])

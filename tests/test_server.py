@@ -223,6 +223,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     ("/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("/v1/completions", {**OK_COMPLETION, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**OK_COMPLETION, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
 ])

@@ -56,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="host swap pool in GiB for --preemption-mode swap")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=("auto", "float32", "bfloat16", "float16", "fp8", "int8"),
+                   choices=("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16",
+                            "fp8", "int8"),
                    help="KV cache storage: auto (the model's dtype), float32, bfloat16, float16, "
                         "or 8 bits with a scale per token and KV head: int8, fp8 (e4m3)")
 

@@ -587,7 +587,11 @@ class LLMEngine:
                 for i, h in enumerate(request.beam.finished)]
         else:
             completions = [self._completion(s) for s in request.seqs]
-        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs = list(request.prompt_logprobs)
+            # a DELTA stream carries them once, in its first output (as vLLM does)
+            request.prompt_logprobs_sent = request.params.output_kind == RequestOutputKind.DELTA
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished,
                              num_cached_tokens=request.num_cached_tokens, metrics=request.metrics,

@@ -122,6 +122,7 @@ class Request:
     # With params.prompt_logprobs: one entry per prompt token, None for the first (and for
     # positions not computed yet).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # a DELTA stream sends them once
 
     @property
     def max_num_seqs(self) -> int:

@@ -76,7 +76,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVC
         name = _ALIASES[kv_cache_dtype]
     else:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
+                         f"{', '.join(KV_CACHE_DTYPES)} (or an alias: "
+                         f"{', '.join(a for a in _ALIASES if a not in KV_CACHE_DTYPES)})")
     storage = {"int8": torch.int8, "fp8": torch.uint8}.get(name) or getattr(torch, name)
     return KVCacheSpec(name, storage, model_dtype)
 

@@ -52,6 +52,7 @@ class _SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    prompt_logprobs: Any = None  # offline API only (SamplingParams.prompt_logprobs)
 
     def unsupported(self) -> str | None:
         """The name of a set field this server does not implement, if any."""
@@ -65,6 +66,8 @@ class _SamplingFields(BaseModel):
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs"
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
