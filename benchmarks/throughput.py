@@ -1,14 +1,23 @@
-"""Offline throughput on a ShareGPT-like workload: pagedserve against HF transformers static
-batching, on the same model, weights, dtype and threads, in one process.
+"""Offline throughput against the peers a user would pick instead, on the same model, weights,
+dtype and threads, in one process: HF transformers static batching (``generate``), HF
+transformers continuous batching (``generate_batch``'s manager, the same block size and block
+count), and llama.cpp through llama-cpp-python on the same GGUF (the ``[bench]`` extra;
+skipped with a message when it is not installed).
 
-Workload: prompt and output lengths drawn from fixed-seed log-normal distributions (means near
-160 and 340 tokens, clipped to 8..1024); prompts are windows of real English text
-(benchmarks/corpus.py); outputs are forced to their length with ignore_eos. The peer runs
-``generate`` in batches of 32 in arrival order, each batch left-padded and run to its longest
-output; only the requested tokens count. Both decode greedily.
+1. ShareGPT-like workload: prompt and output lengths from fixed-seed log-normal distributions
+   (means near 160 and 340 tokens, clipped to 8..1024), prompts cut from real English text
+   (benchmarks/corpus.py), outputs forced to their length (ignore_eos), greedy. HF static runs
+   ``generate`` in batches of 32 in arrival order, each batch left-padded and run to its
+   longest output; only the requested tokens count for everyone.
+2. Single-sequence decode (128 tokens after the prefill): pagedserve, HF ``generate``,
+   llama.cpp.
+3. Decode rate against batch size (1, 8, 32, 64 sequences of 64-token prompts decoding 32
+   tokens, prefill excluded) for pagedserve and HF static, llama.cpp at 1; plotted to
+   ``--plot``.
 
-    python benchmarks/throughput.py                # 64 requests, both engines
-    python benchmarks/throughput.py --skip-peer    # pagedserve only
+    python benchmarks/throughput.py                       # everything (about 30 minutes)
+    python benchmarks/throughput.py --peers               # pagedserve only
+    python benchmarks/throughput.py --num-requests 16 --peers hf_cb
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from corpus import english_text  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+
+PEERS = ("hf_static", "hf_cb", "llama_cpp")
+BATCHES = (1, 8, 32, 64)
 
 
 def lognormal_lengths(rng, n: int, mean: float, sigma: float = 0.8) -> list[int]:
@@ -48,6 +60,12 @@ def make_workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int
     return work
 
 
+def synthetic_prompts(batch: int, length: int = 64) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 1000 + 100 for j in range(length)] for i in range(batch)]
+
+
+# ---- pagedserve -------------------------------------------------------------------------
+
 def run_pagedserve(llm: LLM, work) -> tuple[float, int]:
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
@@ -58,6 +76,23 @@ def run_pagedserve(llm: LLM, work) -> tuple[float, int]:
     assert tokens == sum(o for _, o in work)
     return elapsed, tokens
 
+
+def pagedserve_decode_rate(llm: LLM, batch: int, tokens: int = 32) -> float:
+    """Decode tokens/s of ``batch`` sequences together, their prefill excluded."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    for i, p in enumerate(synthetic_prompts(batch)):
+        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": p}, params)
+    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
+        engine.step()
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return batch * steps / (time.perf_counter() - t0)
+
+
+# ---- HF transformers ----------------------------------------------------------------------
 
 @torch.inference_mode()
 def run_hf_static(model, work, batch_size: int = 32, pad_id: int = 0) -> tuple[float, int]:
@@ -70,11 +105,97 @@ def run_hf_static(model, work, batch_size: int = 32, pad_id: int = 0) -> tuple[f
         longest = max(o for _, o in batch)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
                        min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
-        print(f"  HF batch {start // batch_size + 1}: {time.perf_counter() - t0:.0f}s", flush=True)
+        print(f"  HF static batch {start // batch_size + 1}: {time.perf_counter() - t0:.0f}s",
+              flush=True)
     return time.perf_counter() - t0, sum(o for _, o in work)
 
 
-def single_sequence_decode(llm: LLM, hf_model, prompt: list[int], n: int = 128) -> dict:
+@torch.inference_mode()
+def hf_static_decode_rate(model, batch: int, tokens: int = 32) -> float:
+    ids = torch.tensor(synthetic_prompts(batch))
+    kw = dict(input_ids=ids, do_sample=False, pad_token_id=0)
+    t0 = time.perf_counter()
+    model.generate(**kw, max_new_tokens=1, min_new_tokens=1)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model.generate(**kw, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1)
+    return batch * tokens / (time.perf_counter() - t0 - prefill)
+
+
+def run_hf_cb(model, work, num_blocks: int, block_size: int,
+              max_batch_tokens: int) -> tuple[float, int]:
+    """transformers' continuous batching manager, per-request max_new_tokens, EOS off."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in work))
+    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks,
+                                  max_batch_tokens=max_batch_tokens)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+    try:
+        t0 = time.perf_counter()
+        for i, (p, o) in enumerate(work):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=o, eos_token_id=[])
+        tokens = 0
+        for done in range(len(work)):
+            result = manager.get_result(timeout=3600)
+            tokens += len(result.generated_tokens)
+            if (done + 1) % 16 == 0:
+                print(f"  HF CB {done + 1}/{len(work)}: {time.perf_counter() - t0:.0f}s",
+                      flush=True)
+        elapsed = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    assert tokens == sum(o for _, o in work), tokens
+    return elapsed, tokens
+
+
+# ---- llama.cpp ----------------------------------------------------------------------------
+
+_LLAMA_CPP_CHILD = """
+import json, sys, time
+from llama_cpp import Llama
+gguf, threads, n, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+llm = Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+def rate(count_to):
+    count, t0 = 0, None
+    for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        count += 1
+        if count == 1:
+            t0 = time.perf_counter()
+        if count == count_to:
+            break
+    return (count_to - 1) / (time.perf_counter() - t0)
+rate(8)  # warm-up
+print(json.dumps(max(rate(n) for _ in range(2))))
+"""
+
+
+def llama_cpp_decode_rate(gguf: Path, prompt: list[int], threads: int, n: int = 128):
+    """llama.cpp's greedy decode tokens/s after the prompt's prefill (first token excluded),
+    best of 2, in a child process (a llama.cpp built for another CPU dies with SIGILL).
+    None, with a message, when llama-cpp-python is missing or fails."""
+    import subprocess
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp: skipped (pip install -e '.[bench]' builds llama-cpp-python)")
+        return None
+    proc = subprocess.run([sys.executable, "-c", _LLAMA_CPP_CHILD, str(gguf), str(threads),
+                           str(n), json.dumps(prompt)], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        print(f"llama.cpp: skipped (exit status {proc.returncode}: "
+              f"{proc.stderr.strip()[-300:]})")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+def single_sequence(llm: LLM, hf_model, llama_gguf, prompt: list[int], n: int = 128) -> dict:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # warm-up
     engine = llm.llm_engine
@@ -83,8 +204,7 @@ def single_sequence_decode(llm: LLM, hf_model, prompt: list[int], n: int = 128) 
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    ours = (n - 1) / (time.perf_counter() - t0)
-    result = {"pagedserve_tok_s": ours}
+    result = {"pagedserve": (n - 1) / (time.perf_counter() - t0)}
     if hf_model is not None:
         ids = torch.tensor([prompt])
         with torch.inference_mode():
@@ -94,67 +214,119 @@ def single_sequence_decode(llm: LLM, hf_model, prompt: list[int], n: int = 128) 
             prefill = time.perf_counter() - t0
             t0 = time.perf_counter()
             hf_model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            result["hf_tok_s"] = (n - 1) / (time.perf_counter() - t0 - prefill)
+            result["hf_generate"] = (n - 1) / (time.perf_counter() - t0 - prefill)
+    if llama_gguf is not None:
+        rate = llama_cpp_decode_rate(llama_gguf, prompt, torch.get_num_threads(), n)
+        if rate is not None:
+            result["llama_cpp"] = rate
     return result
+
+
+def plot(path: str, sweep: dict, dtype: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, rates in sweep.items():
+        xs = sorted(int(b) for b in rates)
+        ax.plot(xs, [rates[b] if b in rates else rates[str(b)] for b in xs], marker="o",
+                label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences decoding together")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"SmolLM2-135M-Instruct decode on this CPU ({dtype})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                    help="peers to run (none: pagedserve only)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="pagedserve's default unless given")
+    ap.add_argument("--kv-blocks", type=int, default=4096, help="KV blocks of 16, both engines")
+    ap.add_argument("--plot", default=None, help="decode rate against batch size (PNG)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=4 << 30)
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.kv_blocks)
+    dtype = llm.llm_engine.dtype
+    threads = torch.get_num_threads()
     work = make_workload(llm.get_tokenizer(), args.num_requests)
-    print(f"workload: {len(work)} requests, prompt tokens mean {np.mean([len(p) for p, _ in work]):.0f}"
-          f", output tokens mean {np.mean([o for _, o in work]):.0f} (total {sum(o for _, o in work)})"
-          f"; torch threads {torch.get_num_threads()}, dtype {args.dtype}")
+    print(f"workload: {len(work)} requests, prompt tokens mean "
+          f"{np.mean([len(p) for p, _ in work]):.0f}, output tokens mean "
+          f"{np.mean([o for _, o in work]):.0f} (total {sum(o for _, o in work)}); "
+          f"torch threads {threads}, dtype {dtype}", flush=True)
 
     hf_model = None
-    if not args.skip_peer:
+    path = llm.llm_engine.model_path
+    if {"hf_static", "hf_cb"} & set(args.peers):
         from transformers import AutoModelForCausalLM
 
-        path = llm.llm_engine.model_path
         hf_model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=getattr(torch, args.dtype)).eval()
+            str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    llama_gguf = path if "llama_cpp" in args.peers and path.suffix == ".gguf" else None
 
-    results = {"num_requests": len(work), "dtype": args.dtype}
-    single = single_sequence_decode(llm, hf_model, work[0][0])
-    results["single_sequence"] = single
+    results: dict = {"num_requests": len(work), "dtype": str(dtype), "threads": threads}
+    results["single_sequence"] = single = single_sequence(llm, hf_model, llama_gguf, work[0][0])
+    print("single-sequence decode tok/s:", {k: round(v, 1) for k, v in single.items()},
+          flush=True)
+
+    sweep: dict[str, dict[int, float]] = {"pagedserve": {}}
+    for b in BATCHES:
+        sweep["pagedserve"][b] = pagedserve_decode_rate(llm, b)
+    if hf_model is not None and "hf_static" in args.peers:
+        sweep["HF generate (static batch)"] = {b: hf_static_decode_rate(hf_model, b)
+                                               for b in BATCHES}
+    if "llama_cpp" in single:
+        sweep["llama.cpp (one sequence)"] = {1: single["llama_cpp"]}
+    results["decode_sweep"] = sweep
+    print("decode tok/s by batch:", json.dumps(sweep), flush=True)
 
     elapsed, tokens = run_pagedserve(llm, work)
     results["pagedserve"] = {"seconds": elapsed, "output_tokens": tokens,
-                             "tok_s": tokens / elapsed}
-    stats = llm.kv_cache_stats()
-    results["pagedserve"]["peak_used_blocks"] = stats.peak_used_blocks
-    results["pagedserve"]["num_preemptions"] = stats.num_preemptions
-    if hf_model is not None:
+                             "tok_s": tokens / elapsed,
+                             "num_preemptions": llm.kv_cache_stats().num_preemptions}
+    if hf_model is not None and "hf_cb" in args.peers:
+        elapsed, tokens = run_hf_cb(hf_model, work, args.kv_blocks, 16,
+                                    args.max_num_batched_tokens)
+        results["hf_cb"] = {"seconds": elapsed, "output_tokens": tokens,
+                            "tok_s": tokens / elapsed}
+    if hf_model is not None and "hf_static" in args.peers:
         elapsed, tokens = run_hf_static(hf_model, work)
         results["hf_static"] = {"seconds": elapsed, "output_tokens": tokens,
                                 "tok_s": tokens / elapsed}
 
-    print("\n| engine | output tokens | seconds | output tok/s |")
-    print("|---|---:|---:|---:|")
-    for name in ("pagedserve", "hf_static"):
+    labels = {"pagedserve": "pagedserve", "hf_static": "HF transformers static batching (32)",
+              "hf_cb": "HF transformers continuous batching"}
+    print("\n| engine | output tokens | seconds | output tok/s | pagedserve / engine |")
+    print("|---|---:|---:|---:|---:|")
+    ours = results["pagedserve"]["tok_s"]
+    for name, label in labels.items():
         if name in results:
             r = results[name]
-            label = "HF transformers static batching (32)" if name == "hf_static" else name
-            print(f"| {label} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_s']:.1f} |")
-    if "hf_static" in results:
-        ratio = results["pagedserve"]["tok_s"] / results["hf_static"]["tok_s"]
-        results["throughput_ratio"] = ratio
-        print(f"\nthroughput ratio pagedserve / HF static: {ratio:.2f}x (target >= 2.0x)")
-    line = f"single-sequence decode: pagedserve {single['pagedserve_tok_s']:.1f} tok/s"
-    if "hf_tok_s" in single:
-        line += (f", HF generate {single['hf_tok_s']:.1f} tok/s, ratio "
-                 f"{single['pagedserve_tok_s'] / single['hf_tok_s']:.2f}x (target >= 1.0x)")
-    print(line)
+            print(f"| {label} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_s']:.1f} | "
+                  f"{ours / r['tok_s']:.2f}x |")
+    print("\nsingle-sequence decode: " + ", ".join(
+        f"{k} {v:.1f} tok/s" for k, v in single.items()))
+    for peer, target in (("hf_generate", 2.0), ("llama_cpp", 0.5)):
+        if peer in single:
+            print(f"  pagedserve / {peer}: {single['pagedserve'] / single[peer]:.2f}x "
+                  f"(target >= {target}x)")
+    if "llama_cpp" in single:
+        print(f"pagedserve at 32 sequences / llama.cpp single sequence: "
+              f"{sweep['pagedserve'][32] / single['llama_cpp']:.2f}x (target >= 4x)")
+    if args.plot:
+        plot(args.plot, sweep, str(dtype).removeprefix("torch."))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -183,3 +183,13 @@ def test_jsonl_cache_salt(tiny_llama, tmp_path, capsys):
     src.write_text(json.dumps({**line, "cache_salt": 5}) + "\n")
     assert main(["generate", "--input", str(src), "--model", tiny_llama]) == 2
     assert "cache_salt must be a string" in capsys.readouterr().err
+
+
+def test_bench_runs_a_benchmark_script(capsys):
+    assert main(["bench", "roofline", "--help"]) == 0
+    assert "matmul rate of this CPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--num-requests", "x"]) == 2  # its own argparse error
+    assert "throughput benchmark exited with 2" in capsys.readouterr().err

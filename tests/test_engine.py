@@ -160,7 +160,7 @@ def test_engine_options_validated(tiny_llama):
 
 def test_kv_cache_memory_sizes_blocks_and_logs(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve"):
-        llm = LLM(tiny_llama, kv_cache_memory=1 << 20, block_size=16)
+        llm = LLM(tiny_llama, kv_cache_memory=1 << 20, block_size=16, dtype="float32")
     # tiny llama: 2 layers x 2 KV heads x 16 head_dim x 2 (K, V) x 4 bytes = 512 B/token
     assert llm.kv_cache_stats().num_blocks == (1 << 20) // (512 * 16) == 128
     log = caplog.text

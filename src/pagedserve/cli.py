@@ -1,6 +1,8 @@
 """The ``pagedserve`` command: ``pagedserve generate PROMPT`` streams an answer to the terminal;
 ``pagedserve serve`` runs the OpenAI-compatible HTTP server;
-``pagedserve generate --input prompts.jsonl --output out.jsonl`` runs a batch.
+``pagedserve generate --input prompts.jsonl --output out.jsonl`` runs a batch;
+``pagedserve plan`` sizes a deployment; ``pagedserve bench NAME [ARGS]`` runs a benchmark
+script of the source checkout (``benchmarks/``).
 
 Bad input (a bad option value, a missing model, a malformed JSONL line) ends with one line
 ``error: ...`` on stderr and exit status 2, not a traceback.
@@ -40,7 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="GGUF file or HF directory (default: SmolLM2-135M-Instruct, fetched once)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -380,6 +383,35 @@ def cmd_plan(args: argparse.Namespace) -> None:
             print(f"\nplot: {args.plot}")
 
 
+BENCHMARKS = {"throughput": "throughput.py", "serve": "serving.py", "prefix": "prefix_sharing.py",
+              "sharing": "sharing.py", "kv-util": "kv_utilization.py", "kv-quant": "kv_quant.py",
+              "roofline": "roofline.py"}
+
+
+def benchmarks_dir() -> Path:
+    """The source checkout's ``benchmarks/`` (the package lives in ``src/pagedserve``)."""
+    return Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import runpy
+
+    script = benchmarks_dir() / BENCHMARKS[args.name]
+    if not script.is_file():
+        raise ValueError(f"{script} not found: the benchmarks ship with the source checkout "
+                         "(git clone, then pip install -e .), not with the wheel")
+    saved = sys.argv, list(sys.path)
+    sys.argv = [str(script), *args.args]
+    sys.path.insert(0, str(script.parent))  # the scripts import their neighbours
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(f"{args.name} benchmark exited with {e.code}") from None
+    finally:
+        sys.argv, sys.path[:] = saved
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedserve", description="LLM inference on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -462,6 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="the figures as JSON")
     pl.add_argument("--plot", default=None, help="save concurrency vs context length (PNG)")
     pl.set_defaults(func=cmd_plan)
+
+    b = sub.add_parser("bench", help="run a benchmark (pagedserve bench NAME --help)",
+                       description="Runs benchmarks/NAME of the source checkout with ARGS: "
+                       + ", ".join(f"{k} ({v})" for k, v in BENCHMARKS.items()))
+    b.add_argument("name", choices=tuple(BENCHMARKS))
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -67,7 +67,8 @@ class LLMEngine:
     Args:
         model: a GGUF file, an HF directory, or None for SmolLM2-135M-Instruct.
         tokenizer: tokenizer directory overriding the model's own.
-        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA; README "Choosing the dtype"),
+            "float32", "bfloat16", "float16".
         device: "auto", "cpu", "cuda" or "cuda:N".
         block_size: token slots per KV block.
         max_model_len: longest prompt + output; default min(model's limit, KV capacity).

@@ -1,0 +1,89 @@
+"""The evidence behind the default dtype on CPU: float32 against bfloat16 weights and KV on
+SmolLM2-135M-Instruct, in one process.
+
+For each dtype: perplexity on real English text through the paged cache (as
+``kv_quant.py``), the share of 32 chat prompts whose first 64 greedy tokens equal float32's,
+single-sequence decode tokens/s, and the decode tokens/s of 32 and 64 sequences together
+(the best of ``--rounds`` interleaved rounds).
+
+    python benchmarks/dtype_choice.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kv_quant import chats, text_logprobs, text_windows  # noqa: E402
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+
+
+def decode_rate(llm: LLM, batch: int, prompt_len: int = 64, tokens: int = 32) -> float:
+    """Decode tokens/s of ``batch`` sequences together, their prefill excluded."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    for i in range(batch):
+        prompt = [(7 * i + 13 * j) % 1000 + 100 for j in range(prompt_len)]
+        engine.add_request(f"d{i}", {"prompt_token_ids": prompt}, params)
+    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
+        engine.step()
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--text-tokens", type=int, default=20_480)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    engines, rows = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(args.model, dtype=dtype, kv_cache_memory=1 << 30, max_model_len=2048,
+                  max_num_batched_tokens=1024)
+        windows = text_windows(llm.get_tokenizer(), args.text_tokens, 1024)
+        lps = text_logprobs(llm, windows)
+        tokens, _ = chats(llm, 64)
+        rows[dtype] = {"perplexity": math.exp(-sum(lps) / len(lps)), "tokens": tokens,
+                       "num_text_tokens": len(lps)}
+        engines[dtype] = llm
+        print(dtype, f"perplexity {rows[dtype]['perplexity']:.3f}", flush=True)
+    rates = {d: {b: [] for b in (1, 32, 64)} for d in engines}
+    for _ in range(args.rounds):
+        for d, llm in engines.items():
+            for b in (1, 32, 64):
+                rates[d][b].append(decode_rate(llm, b, tokens=16 if b == 1 else 32))
+    ref = rows["float32"]
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; perplexity over "
+          f"{ref['num_text_tokens']:,} tokens")
+    print("| dtype | perplexity | change | greedy 64 tokens = float32 | decode tok/s, batch 1 "
+          "| batch 32 | batch 64 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    out = {}
+    for d, r in rows.items():
+        same = sum(a == b for a, b in zip(r["tokens"], ref["tokens"])) / len(ref["tokens"])
+        best = {b: max(v) for b, v in rates[d].items()}
+        out[d] = {"perplexity": r["perplexity"], "greedy_same": same,
+                  "decode_tok_s": best, "rounds": rates[d]}
+        print(f"| {d} | {r['perplexity']:.3f} | "
+              f"{100 * (r['perplexity'] / ref['perplexity'] - 1):+.2f}% | {100 * same:.0f}% | "
+              f"{best[1]:.1f} | {best[32]:.1f} | {best[64]:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

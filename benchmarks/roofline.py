@@ -1,0 +1,130 @@
+"""Decode against the machine's own limit: the dense matmul rate of this CPU on the model's
+shapes, and the engine's decode FLOP/s at several batch sizes as a share of it, in one run.
+
+Peak: ``torch.matmul`` of [M, K] x [K, N] in the chosen dtype for every weight shape of the
+model (fused q|k|v, o, fused gate|up, down, LM head) at M = 256 and 512 tokens, best of a few
+repeats; the peak is the best FLOP-weighted rate of one forward's matmuls (each shape counted
+once per layer, as the model runs them). Engine: B requests with short prompts decode
+``--decode-tokens`` tokens together (greedy, ignore_eos); the steps after everyone's prefill are
+timed; decode FLOP/s = model FLOPs per token x tokens/s, where model FLOPs per token =
+2 x (the matmul weights' elements) + attention's 4 x context x num_heads x head_dim per layer.
+
+    python benchmarks/roofline.py                    # bfloat16, batches 1 8 32 64 128 256
+    python benchmarks/roofline.py --dtype float32 --batches 1 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+
+def weight_shapes(cfg) -> list[tuple[str, int, int, int]]:
+    """(name, K, N, times per forward) of the model's matmuls."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    L = cfg.num_hidden_layers
+    return [("qkv", h, qkv, L), ("o", cfg.num_attention_heads * d, h, L),
+            ("gate_up", h, 2 * cfg.intermediate_size, L), ("down", cfg.intermediate_size, h, L),
+            ("lm_head", h, cfg.vocab_size, 1)]
+
+
+def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best GFLOP/s of [m, k] @ [k, n] (the weight stored [n, k] and transposed, as
+    nn.Linear does)."""
+    a = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    torch.matmul(a, w.t(), out=out)
+    iters = max(1, int(2e9 / (2 * m * k * n)))  # about 2 GFLOP per timing
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(a, w.t(), out=out)
+        best = max(best, 2 * m * k * n * iters / (time.perf_counter() - t0))
+    return best / 1e9
+
+
+def machine_peak(cfg, dtype: torch.dtype) -> tuple[float, dict]:
+    shapes = weight_shapes(cfg)
+    detail, best = {}, 0.0
+    for m in (256, 512):
+        flops = seconds = 0.0
+        for name, k, n, times in shapes:
+            rate = matmul_rate(m, k, n, dtype)
+            detail[f"{name} M={m}"] = round(rate, 1)
+            f = 2 * m * k * n * times
+            flops += f
+            seconds += f / (rate * 1e9)
+        best = max(best, flops / seconds / 1e9)
+    return best, detail
+
+
+def flops_per_token(cfg, context: float) -> float:
+    matmul = sum(k * n * times for _, k, n, times in weight_shapes(cfg))
+    attention = 4 * context * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    return 2 * matmul + attention
+
+
+def decode_rate(llm: LLM, batch: int, prompt_len: int, decode_tokens: int) -> dict:
+    """Tokens/s of ``batch`` sequences decoding together, prefill excluded."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)
+    for i in range(batch):
+        prompt = [(7 * i + 13 * j) % 1000 + 100 for j in range(prompt_len)]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
+        engine.step()  # prefills (and first tokens)
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    return {"tokens_per_s": batch * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
+            "context": prompt_len + 1 + steps / 2}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args()
+
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=2 << 30,
+              max_num_seqs=max(args.batches), max_num_batched_tokens=4096)
+    cfg = llm.llm_engine.model_config
+    dtype = llm.llm_engine.dtype
+    peak, detail = machine_peak(cfg, dtype)
+    print(f"matmul peak ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
+          f"threads, the model's shapes at 256-512 tokens): {peak:.1f} GFLOP/s")
+    print("  " + ", ".join(f"{k}: {v}" for k, v in detail.items()))
+    decode_rate(llm, 2, args.prompt_len, 4)  # warm-up
+    rows = []
+    print("\n| batch | step ms | tokens/s | GFLOP/s | share of peak |")
+    print("|---:|---:|---:|---:|---:|")
+    for b in args.batches:
+        r = decode_rate(llm, b, args.prompt_len, args.decode_tokens)
+        gflops = r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9
+        row = {"batch": b, **r, "gflops": gflops, "share_of_peak": gflops / peak}
+        rows.append(row)
+        print(f"| {b} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {gflops:.1f} | "
+              f"{100 * gflops / peak:.0f}% |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dtype": str(dtype), "peak_gflops": peak,
+                                               "peak_detail": detail, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
