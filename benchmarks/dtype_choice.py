@@ -15,31 +15,15 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_quant import chats, text_logprobs, text_windows  # noqa: E402
+from roofline import decode_rate  # noqa: E402
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-
-
-def decode_rate(llm: LLM, batch: int, prompt_len: int = 64, tokens: int = 32) -> float:
-    """Decode tokens/s of ``batch`` sequences together, their prefill excluded."""
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
-    for i in range(batch):
-        prompt = [(7 * i + 13 * j) % 1000 + 100 for j in range(prompt_len)]
-        engine.add_request(f"d{i}", {"prompt_token_ids": prompt}, params)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()
-    steps, t0 = 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return batch * steps / (time.perf_counter() - t0)
+from pagedserve import LLM  # noqa: E402
 
 
 def main() -> None:
@@ -64,7 +48,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for d, llm in engines.items():
             for b in (1, 32, 64):
-                rates[d][b].append(decode_rate(llm, b, tokens=16 if b == 1 else 32))
+                rates[d][b].append(
+                    decode_rate(llm, b, 64, 16 if b == 1 else 32)["tokens_per_s"])
     ref = rows["float32"]
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; perplexity over "

@@ -74,8 +74,9 @@ def flops_per_token(cfg, context: float) -> float:
     return 2 * matmul + attention
 
 
-def decode_rate(llm: LLM, batch: int, prompt_len: int, decode_tokens: int) -> dict:
-    """Tokens/s of ``batch`` sequences decoding together, prefill excluded."""
+def decode_rate(llm: LLM, batch: int, prompt_len: int = 64, decode_tokens: int = 32) -> dict:
+    """Tokens/s of ``batch`` sequences decoding together, prefill excluded (shared by the
+    other benchmarks' batch sweeps)."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)
     for i in range(batch):
@@ -95,7 +96,7 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int, decode_tokens: int) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="default: pagedserve's default")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corpus import english_text  # noqa: E402
+from roofline import decode_rate  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
@@ -75,21 +76,6 @@ def run_pagedserve(llm: LLM, work) -> tuple[float, int]:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(o for _, o in work)
     return elapsed, tokens
-
-
-def pagedserve_decode_rate(llm: LLM, batch: int, tokens: int = 32) -> float:
-    """Decode tokens/s of ``batch`` sequences together, their prefill excluded."""
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
-    for i, p in enumerate(synthetic_prompts(batch)):
-        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": p}, params)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()
-    steps, t0 = 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return batch * steps / (time.perf_counter() - t0)
 
 
 # ---- HF transformers ----------------------------------------------------------------------
@@ -283,7 +269,7 @@ def main() -> None:
 
     sweep: dict[str, dict[int, float]] = {"pagedserve": {}}
     for b in BATCHES:
-        sweep["pagedserve"][b] = pagedserve_decode_rate(llm, b)
+        sweep["pagedserve"][b] = decode_rate(llm, b)["tokens_per_s"]
     if hf_model is not None and "hf_static" in args.peers:
         sweep["HF generate (static batch)"] = {b: hf_static_decode_rate(hf_model, b)
                                                for b in BATCHES}
