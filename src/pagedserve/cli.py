@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pagedserve.planner import KV_CACHE_DTYPES
 from pagedserve.sampling_params import RequestOutputKind
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
@@ -58,9 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="when blocks run out: free and re-prefill later, or copy to host memory")
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="host swap pool in GiB for --preemption-mode swap")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16",
-                            "fp8", "int8"),
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model's dtype), float32, bfloat16, float16, "
                         "or 8 bits with a scale per token and KV head: int8, fp8 (e4m3)")
 
@@ -468,9 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="accelerator memory per worker with its unit: 80GB or 80GiB")
     pl.add_argument("--dtype", default="bf16", help="weights dtype (fp32, fp16, bf16, int8, "
                                                     "fp8, int4)")
-    pl.add_argument("--kv-cache-dtype", default="auto",
-                    choices=("auto", "fp32", "float32", "fp16", "float16", "bf16", "bfloat16",
-                             "fp8", "int8"),
+    pl.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="KV cache storage (default: the weights' dtype); fp8 and int8 add a "
                          "2-byte scale per token and KV head")
     pl.add_argument("--weight-bytes", type=parse_memory, default=None,
