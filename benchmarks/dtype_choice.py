@@ -1,7 +1,8 @@
-"""The evidence behind the default dtype on CPU: float32 against bfloat16 weights and KV on
-SmolLM2-135M-Instruct, in one process.
+"""The evidence behind the default dtype on CPU: float32 against bfloat16 weights and KV, and
+against float32 with 4-bit linear layers (``quantization="int4"``), on SmolLM2-135M-Instruct,
+in one process.
 
-For each dtype: perplexity on real English text through the paged cache (as
+For each configuration: perplexity on real English text through the paged cache (as
 ``kv_quant.py``), the share of 32 chat prompts whose first 64 greedy tokens equal float32's,
 single-sequence decode tokens/s, and the decode tokens/s of 32 and 64 sequences together
 (the best of ``--rounds`` interleaved rounds).
@@ -34,8 +35,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engines, rows = {}, {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(args.model, dtype=dtype, kv_cache_memory=1 << 30, max_model_len=2048,
+    configs = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+               "float32 + int4 linear": {"dtype": "float32", "quantization": "int4"}}
+    for dtype, options in configs.items():
+        llm = LLM(args.model, **options, kv_cache_memory=1 << 30, max_model_len=2048,
                   max_num_batched_tokens=1024)
         windows = text_windows(llm.get_tokenizer(), args.text_tokens, 1024)
         lps = text_logprobs(llm, windows)
@@ -54,7 +57,7 @@ def main() -> None:
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; perplexity over "
           f"{ref['num_text_tokens']:,} tokens")
-    print("| dtype | perplexity | change | greedy 64 tokens = float32 | decode tok/s, batch 1 "
+    print("| configuration | perplexity | change | greedy 64 tokens = float32 | decode tok/s, batch 1 "
           "| batch 32 | batch 64 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     out = {}

@@ -53,13 +53,17 @@ def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) ->
     return best / 1e9
 
 
-def machine_peak(cfg, dtype: torch.dtype) -> tuple[float, dict]:
+def machine_peak(cfg, dtype: torch.dtype, linear_dtype: torch.dtype | None = None
+                 ) -> tuple[float, dict]:
+    """Best FLOP-weighted matmul GFLOP/s of one forward; the decoder's linear layers run in
+    ``linear_dtype`` (bfloat16 for quantization="int4": its batched path), the LM head in
+    ``dtype``."""
     shapes = weight_shapes(cfg)
     detail, best = {}, 0.0
     for m in (256, 512):
         flops = seconds = 0.0
         for name, k, n, times in shapes:
-            rate = matmul_rate(m, k, n, dtype)
+            rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype)
             detail[f"{name} M={m}"] = round(rate, 1)
             f = 2 * m * k * n * times
             flops += f
@@ -97,6 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="auto", help="default: pagedserve's default")
+    ap.add_argument("--quantization", default=None, choices=["int4"],
+                    help="int4 linear layers (their batched matmuls run in bfloat16)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -104,11 +110,13 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=2 << 30,
-              max_num_seqs=max(args.batches), max_num_batched_tokens=4096)
+              max_num_seqs=max(args.batches), max_num_batched_tokens=4096,
+              quantization=args.quantization)
     cfg = llm.llm_engine.model_config
     dtype = llm.llm_engine.dtype
-    peak, detail = machine_peak(cfg, dtype)
-    print(f"matmul peak ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
+    peak, detail = machine_peak(cfg, dtype, torch.bfloat16 if args.quantization else None)
+    mode = str(dtype).removeprefix("torch.") + (" + bfloat16 linear" if args.quantization else "")
+    print(f"matmul peak ({mode}, {torch.get_num_threads()} "
           f"threads, the model's shapes at 256-512 tokens): {peak:.1f} GFLOP/s")
     print("  " + ", ".join(f"{k}: {v}" for k, v in detail.items()))
     decode_rate(llm, 2, args.prompt_len, 4)  # warm-up
@@ -123,7 +131,9 @@ def main() -> None:
         print(f"| {b} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {gflops:.1f} | "
               f"{100 * gflops / peak:.0f}% |", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"dtype": str(dtype), "peak_gflops": peak,
+        Path(args.json).write_text(json.dumps({"dtype": str(dtype),
+                                               "quantization": args.quantization,
+                                               "peak_gflops": peak,
                                                "peak_detail": detail, "rows": rows}, indent=1))
 
 

@@ -9,13 +9,13 @@ skipped with a message when it is not installed).
    (benchmarks/corpus.py), outputs forced to their length (ignore_eos), greedy. HF static runs
    ``generate`` in batches of 32 in arrival order, each batch left-padded and run to its
    longest output; only the requested tokens count for everyone.
-2. Single-sequence decode (128 tokens after the prefill): pagedserve, HF ``generate``,
-   llama.cpp.
+2. Single-sequence decode (128 tokens after the prefill): pagedserve (as loaded, and with
+   ``quantization="int4"`` linear layers), HF ``generate``, llama.cpp.
 3. Decode rate against batch size (1, 8, 32, 64 sequences of 64-token prompts decoding 32
    tokens, prefill excluded) for pagedserve and HF static, llama.cpp at 1; plotted to
    ``--plot``.
 
-    python benchmarks/throughput.py                       # everything (about 30 minutes)
+    python benchmarks/throughput.py                       # everything (about 40 minutes)
     python benchmarks/throughput.py --peers               # pagedserve only
     python benchmarks/throughput.py --num-requests 16 --peers hf_cb
 """
@@ -181,7 +181,8 @@ def llama_cpp_decode_rate(gguf: Path, prompt: list[int], threads: int, n: int = 
 
 # ---- main ---------------------------------------------------------------------------------
 
-def single_sequence(llm: LLM, hf_model, llama_gguf, prompt: list[int], n: int = 128) -> dict:
+def engine_single_rate(llm: LLM, prompt: list[int], n: int) -> float:
+    """pagedserve's decode tokens/s for one sequence after its prefill (first token excluded)."""
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # warm-up
     engine = llm.llm_engine
@@ -190,7 +191,12 @@ def single_sequence(llm: LLM, hf_model, llama_gguf, prompt: list[int], n: int = 
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    result = {"pagedserve": (n - 1) / (time.perf_counter() - t0)}
+    return (n - 1) / (time.perf_counter() - t0)
+
+
+def single_sequence(llms: dict[str, LLM], hf_model, llama_gguf, prompt: list[int],
+                    n: int = 128) -> dict:
+    result = {name: engine_single_rate(llm, prompt, n) for name, llm in llms.items()}
     if hf_model is not None:
         ids = torch.tensor([prompt])
         with torch.inference_mode():
@@ -238,13 +244,21 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--dtype", default="auto", help="pagedserve's default unless given")
+    ap.add_argument("--quantization", nargs="+", default=["none", "int4"],
+                    choices=["none", "int4"], help="pagedserve variants to run (default both)")
     ap.add_argument("--kv-blocks", type=int, default=4096, help="KV blocks of 16, both engines")
     ap.add_argument("--plot", default=None, help="decode rate against batch size (PNG)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.kv_blocks)
+    llms = {}
+    for quantization in args.quantization:
+        name = "pagedserve" if quantization == "none" else f"pagedserve {quantization}"
+        llms[name] = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         num_kv_blocks=args.kv_blocks,
+                         quantization=None if quantization == "none" else quantization)
+    llm = next(iter(llms.values()))
     dtype = llm.llm_engine.dtype
     threads = torch.get_num_threads()
     work = make_workload(llm.get_tokenizer(), args.num_requests)
@@ -263,13 +277,15 @@ def main() -> None:
     llama_gguf = path if "llama_cpp" in args.peers and path.suffix == ".gguf" else None
 
     results: dict = {"num_requests": len(work), "dtype": str(dtype), "threads": threads}
-    results["single_sequence"] = single = single_sequence(llm, hf_model, llama_gguf, work[0][0])
+    results["single_sequence"] = single = single_sequence(llms, hf_model, llama_gguf,
+                                                          work[0][0])
     print("single-sequence decode tok/s:", {k: round(v, 1) for k, v in single.items()},
           flush=True)
 
-    sweep: dict[str, dict[int, float]] = {"pagedserve": {}}
+    sweep: dict[str, dict[int, float]] = {name: {} for name in llms}
     for b in BATCHES:
-        sweep["pagedserve"][b] = decode_rate(llm, b)["tokens_per_s"]
+        for name, engine_llm in llms.items():
+            sweep[name][b] = decode_rate(engine_llm, b)["tokens_per_s"]
     if hf_model is not None and "hf_static" in args.peers:
         sweep["HF generate (static batch)"] = {b: hf_static_decode_rate(hf_model, b)
                                                for b in BATCHES}
@@ -278,10 +294,10 @@ def main() -> None:
     results["decode_sweep"] = sweep
     print("decode tok/s by batch:", json.dumps(sweep), flush=True)
 
-    elapsed, tokens = run_pagedserve(llm, work)
-    results["pagedserve"] = {"seconds": elapsed, "output_tokens": tokens,
-                             "tok_s": tokens / elapsed,
-                             "num_preemptions": llm.kv_cache_stats().num_preemptions}
+    for name, engine_llm in llms.items():
+        elapsed, tokens = run_pagedserve(engine_llm, work)
+        results[name] = {"seconds": elapsed, "output_tokens": tokens, "tok_s": tokens / elapsed,
+                         "num_preemptions": engine_llm.kv_cache_stats().num_preemptions}
     if hf_model is not None and "hf_cb" in args.peers:
         elapsed, tokens = run_hf_cb(hf_model, work, args.kv_blocks, 16,
                                     args.max_num_batched_tokens)
@@ -292,25 +308,28 @@ def main() -> None:
         results["hf_static"] = {"seconds": elapsed, "output_tokens": tokens,
                                 "tok_s": tokens / elapsed}
 
-    labels = {"pagedserve": "pagedserve", "hf_static": "HF transformers static batching (32)",
-              "hf_cb": "HF transformers continuous batching"}
-    print("\n| engine | output tokens | seconds | output tok/s | pagedserve / engine |")
-    print("|---|---:|---:|---:|---:|")
-    ours = results["pagedserve"]["tok_s"]
-    for name, label in labels.items():
-        if name in results:
-            r = results[name]
-            print(f"| {label} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_s']:.1f} | "
-                  f"{ours / r['tok_s']:.2f}x |")
+    labels = {name: name for name in llms}
+    labels.update({"hf_static": "HF transformers static batching (32)",
+                   "hf_cb": "HF transformers continuous batching"})
+    for ours_name in llms:
+        ours = results[ours_name]["tok_s"]
+        print(f"\n| engine | output tokens | seconds | output tok/s | {ours_name} / engine |")
+        print("|---|---:|---:|---:|---:|")
+        for name, label in labels.items():
+            if name in results:
+                r = results[name]
+                print(f"| {label} | {r['output_tokens']} | {r['seconds']:.1f} | "
+                      f"{r['tok_s']:.1f} | {ours / r['tok_s']:.2f}x |")
     print("\nsingle-sequence decode: " + ", ".join(
         f"{k} {v:.1f} tok/s" for k, v in single.items()))
-    for peer, target in (("hf_generate", 2.0), ("llama_cpp", 0.5)):
-        if peer in single:
-            print(f"  pagedserve / {peer}: {single['pagedserve'] / single[peer]:.2f}x "
-                  f"(target >= {target}x)")
-    if "llama_cpp" in single:
-        print(f"pagedserve at 32 sequences / llama.cpp single sequence: "
-              f"{sweep['pagedserve'][32] / single['llama_cpp']:.2f}x (target >= 4x)")
+    for ours_name in llms:
+        for peer, target in (("hf_generate", 2.0), ("llama_cpp", 0.5)):
+            if peer in single:
+                print(f"  {ours_name} / {peer}: {single[ours_name] / single[peer]:.2f}x "
+                      f"(target >= {target}x)")
+        if "llama_cpp" in single:
+            print(f"{ours_name} at 32 sequences / llama.cpp single sequence: "
+                  f"{sweep[ours_name][32] / single['llama_cpp']:.2f}x (target >= 4x)")
     if args.plot:
         plot(args.plot, sweep, str(dtype).removeprefix("torch."))
     if args.json:

@@ -84,3 +84,11 @@ def test_cli_generate_answers_paris(smollm2_path):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "KV cache:" in proc.stderr and "bytes per token" in proc.stderr
+
+
+def test_int4_linear_layers_answer_paris(smollm2_path):
+    """The GGUF's Q4_1 weights re-packed for the int4 kernel: the quickstart answer holds."""
+    llm = LLM(smollm2_path, dtype="float32", quantization="int4", kv_cache_memory=64 << 20)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text

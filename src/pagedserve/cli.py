@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pagedserve.planner import KV_CACHE_DTYPES
+from pagedserve.planner import KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.sampling_params import RequestOutputKind
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model's dtype), float32, bfloat16, float16, "
                         "or 8 bits with a scale per token and KV head: int8, fp8 (e4m3)")
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="int4: the linear layers' weights in 4-bit groups of 32 (the layout of "
+                        "GGUF Q4_1) with bfloat16 matmul inputs; about 2x faster decode on CPU")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +75,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed if args.seed is not None else 0)
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                seed=args.seed if args.seed is not None else 0)
 
 
 def _sampling_fields(args: argparse.Namespace) -> dict[str, Any]:

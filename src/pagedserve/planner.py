@@ -26,6 +26,8 @@ GB, GiB = 10**9, 2**30
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
                "fp8": 1, "int8": 1, "int4": 0.5}
 KV_CACHE_DTYPES = ("auto", "fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "int8")
+# weight-only quantization methods of the engine (pagedserve.model.quant)
+QUANTIZATIONS = ("int4",)
 # An 8-bit KV cache also stores one bfloat16 scale per token and KV head, for K and for V
 # (pagedserve.kv.quant); full-precision caches store none.
 KV_SCALE_BYTES = 2

@@ -1,0 +1,150 @@
+"""Weight-only int4 linear layers (``quantization="int4"``): the re-pack of Q4_1 weights is
+exact but for bfloat16 scales, other weights stay within half a step, the CPU int4 kernel equals
+the bfloat16 copy, and the whole model equals transformers running the same dequantized weights
+with bfloat16 matmul inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import hf_greedy, load_hf, save_tiny_model, write_llama_gguf
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.model.quant import GROUP_SIZE, SMALL_ROWS, Int4Linear
+
+
+def _q4_1_weight(n=48, k=128, seed=0):
+    """d * q + m per group of 32 with q spanning 0..15 in every group, and d, m, m + 8d exact
+    in bfloat16: the re-pack must reproduce it bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // GROUP_SIZE, GROUP_SIZE), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.randint(1, 8, (n, k // GROUP_SIZE, 1), generator=g) * 2.0 ** -7
+    m = torch.randint(-64, 0, (n, k // GROUP_SIZE, 1), generator=g) * 2.0 ** -6
+    return (d * q + m).view(n, k)
+
+
+def test_q4_1_weights_are_repacked_exactly():
+    w = _q4_1_weight()
+    layer = Int4Linear(w)
+    assert torch.equal(layer.dense.float(), w)
+    x = torch.randn(SMALL_ROWS, w.shape[1])
+    for rows in (1, 5, SMALL_ROWS):  # the int4 kernel
+        ref = F.linear(x[:rows].bfloat16().float(), w)
+        torch.testing.assert_close(layer(x[:rows]), ref, rtol=2 ** -7, atol=1e-3)
+
+
+def test_other_weights_stay_within_half_a_step():
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 96)  # columns of very different scales
+    w[3, :32] = 0.25  # a constant group
+    layer = Int4Linear(w)
+    groups = w.view(64, 3, GROUP_SIZE)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    bound = 0.5 * step + 2 ** -8 * (groups.abs().amax(-1) + 8 * step)  # + bf16 scale rounding
+    err = (layer.dense.float() - w).view(64, 3, GROUP_SIZE).abs().amax(-1)
+    assert (err <= bound).all()
+    assert (err > 0.2 * step).float().mean() > 0.5  # the bound is not vacuous
+    assert torch.equal(layer.dense[3, :32].float(), torch.full((32,), 0.25))
+
+
+def test_kernel_and_bfloat16_copy_agree():
+    w = torch.randn(208, 64)
+    layer = Int4Linear(w)
+    assert layer.packed is not None
+    x = torch.randn(40, 64)
+    dense = F.linear(x.bfloat16(), layer.dense).float()
+    # both round the output to bfloat16; the copy also rounds the weights: <= 2^-8 sum |x w|
+    bound = 2 ** -7 * (x.bfloat16().float().abs() @ layer.dense.float().abs().t())
+    for rows in (1, 2, 7, SMALL_ROWS):
+        assert ((layer(x[:rows]) - dense[:rows]).abs() <= bound[:rows]).all()
+    assert torch.equal(layer(x), dense)  # more rows: the bfloat16 copy itself
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    odd = Int4Linear(w[:200])  # no kernel for 200 rows: the bfloat16 copy at every size
+    assert odd.packed is None and torch.equal(odd(x[:1]), dense[:1, :200])
+
+
+def test_bad_shapes_and_options_are_refused(tiny_qwen2, tiny_llama):
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear(torch.randn(8, 48))
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        LLM(tiny_llama, skip_tokenizer_init=True, quantization="int3")
+    with pytest.raises(ValueError, match="with a bias"):
+        LLM(tiny_qwen2, skip_tokenizer_init=True, quantization="int4")
+
+
+def _patch_hf_linears(model) -> None:
+    """transformers' decoder layers running our int4 layers: same weights, same bf16 inputs."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, Int4Linear(child.weight))
+
+
+PROMPTS = [[(7 * i + 13 * j + 3) % 250 + 3 for j in range(n)] for i, n in enumerate([1, 9, 30])]
+
+
+def test_whole_model_equals_transformers_with_the_same_int4_layers(tiny_llama):
+    hf = load_hf(tiny_llama)
+    plain_ref = hf_greedy(hf, PROMPTS, 16)
+    _patch_hf_linears(hf)
+    ref = hf_greedy(hf, PROMPTS, 16)
+    assert ref != plain_ref  # int4 changes this tiny model's tokens: the test can fail
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", quantization="int4",
+              num_kv_blocks=256, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    # prompt log-probabilities against transformers' on the 30-token prompt (one prefill)
+    with torch.no_grad():
+        logp = hf(torch.tensor([PROMPTS[2]])).logits[0].float().log_softmax(-1)
+    ours = [lp[t].logprob for lp, t in zip(outs[2].prompt_logprobs[1:], PROMPTS[2][1:])]
+    want = [logp[i, t].item() for i, t in enumerate(PROMPTS[2][1:])]
+    assert max(abs(a - b) for a, b in zip(ours, want)) < 2e-2
+
+
+@pytest.mark.parametrize("small_rows", [0, 10 ** 9], ids=["bf16-copy", "int4-kernel"])
+def test_prefix_hits_and_preemption_keep_the_tokens(tiny_llama, monkeypatch, small_rows):
+    """int4 with prefix-cache hits and swap preemption gives a roomy plain run's tokens, with
+    either matmul path forced. (Mixing the paths by batch size makes tokens batch-dependent
+    like any reduced precision: the kernel's fp32 weights against the copy's bf16 ones.)"""
+    monkeypatch.setattr("pagedserve.model.quant.SMALL_ROWS", small_rows)
+    prefix = [(31 * j + 7) % 300 + 3 for j in range(45)]
+    prompts = [{"prompt_token_ids": prefix + [(13 * i + 5 * j) % 300 + 3 for j in range(3 + i % 7)]}
+               for i in range(16)]
+    params = [SamplingParams(temperature=0, max_tokens=40 + (13 * i) % 31, ignore_eos=True)
+              for i in range(16)]
+    plain = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
+                enable_prefix_caching=False, quantization="int4")
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=60, block_size=4,
+                preemption_mode="swap", swap_space=0.01, quantization="int4")
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    stats = tight.kv_cache_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_swapped_out_blocks > 0
+
+
+def test_q4_1_gguf_loads_with_int4_layers(tmp_path):
+    hf_dir = save_tiny_model(tmp_path / "hf", "llama", hidden_size=64, intermediate_size=128)
+    path = write_llama_gguf(hf_dir, str(tmp_path / "m.gguf"), "Q4_1")
+    full = LLM(path, skip_tokenizer_init=True, dtype="float32")
+    q4 = LLM(path, skip_tokenizer_init=True, dtype="float32", quantization="int4")
+    w = full.llm_engine.model.layers[0].mlp.down_proj.weight
+    layer = q4.llm_engine.model.layers[0].mlp.down_proj
+    assert isinstance(layer, Int4Linear)
+    # exact but for the bfloat16 rounding of each group's scale and offset
+    assert (layer.dense.float() - w).abs().max() <= 2 ** -8 * 9 * w.abs().max()
+
+
+def test_generate_cli_takes_quantization(tiny_llama, capsys):
+    from pagedserve.cli import build_parser, engine_kwargs, main
+
+    assert engine_kwargs(build_parser().parse_args(
+        ["serve", "--quantization", "int4"]))["quantization"] == "int4"
+    assert main(["generate", "hello", "--model", tiny_llama, "--max-tokens", "4", "--no-chat",
+                 "--quantization", "int4", "--num-kv-blocks", "32"]) == 0
+    with pytest.raises(SystemExit):
+        main(["generate", "hello", "--quantization", "awq"])
+    assert "invalid choice: 'awq'" in capsys.readouterr().err
