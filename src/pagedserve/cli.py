@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model's dtype), float32, bfloat16, float16, "
                         "or 8 bits with a scale per token and KV head: int8, fp8 (e4m3)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over N processes (torch.distributed, gloo on CPU); "
+                        "KV cache memory and blocks are per worker")
     g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="int4: the linear layers' weights in 4-bit groups of 32 (the layout of "
                         "GGUF Q4_1) with bfloat16 matmul inputs; about 2x faster decode on CPU")
@@ -76,6 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=args.enable_prefix_caching,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                tensor_parallel_size=args.tensor_parallel_size,
                 seed=args.seed if args.seed is not None else 0)
 
 

@@ -13,9 +13,10 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +27,14 @@ from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, reso
 from pagedserve.core.block_manager import BlockManager, ContiguousBlockManager, cdiv
 from pagedserve.core.block_pool import root_hash
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.distributed import (
+    DistributedRunner,
+    Driver,
+    TPGroup,
+    check_tensor_parallel,
+    device_group,
+    local_config,
+)
 from pagedserve.kv.cache import (
     KVCache,
     default_kv_cache_memory,
@@ -91,9 +100,15 @@ class LLMEngine:
         quantization: None (weights in ``dtype``) or "int4": the decoder's linear layers in
             4-bit groups of 32 with bfloat16 matmul inputs (``pagedserve.model.quant``; about 2x
             faster decode on CPU, README "Speed").
+        tensor_parallel_size: N > 1 shards the model over N processes (torch.distributed;
+            ``pagedserve.distributed``): ranks 1..N-1 are started on this host, or, with
+            PAGEDSERVE_TP_EXTERNAL=1, met through MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE.
+            ``kv_cache_memory`` and ``num_kv_blocks`` are per worker. Call ``shutdown()`` (or
+            let the LLM be collected) to stop the workers.
     Raises:
         FileNotFoundError, ValueError (ModelLoadError): bad model path or file, or options
-        that do not fit together (the message names the numbers).
+        that do not fit together (the message names the numbers). WorkerDiedError: a
+        tensor-parallel worker failed to start (or, later from ``step``, died).
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
@@ -104,7 +119,7 @@ class LLMEngine:
                  skip_tokenizer_init: bool = False, enable_prefix_caching: bool = True,
                  preemption_mode: str = "recompute", swap_space: float = 4.0,
                  kv_cache_dtype: str = "auto", kv_allocator: str = "paged",
-                 quantization: str | None = None):
+                 quantization: str | None = None, tensor_parallel_size: int = 1):
         _check_options(block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks)
@@ -152,42 +167,64 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of "
                              f"{model_limit} positions")
 
-        t0 = time.perf_counter()
-        with torch.device("meta"):
-            net = LlamaForCausalLM(cfg)
-        net = net.to_empty(device=self.device).to(self.dtype)
-        net.load_weights(source.weights(), str(source.path))
-        weight_bytes = 0
-        if quantization is not None:
-            weight_bytes = quantize_linear_layers(net, quantization)
-        self.model = net.eval()
-        weight_bytes += sum(p.numel() * p.element_size() for p in net.parameters())
-
-        spec = self.kv_cache_spec
-        self.kv_bytes_per_token = per_token = kv_bytes_per_token(cfg, spec)
-        if num_kv_blocks is None:
-            if kv_cache_memory is None:
-                kv_cache_memory = default_kv_cache_memory(self.device)
-            num_kv_blocks = num_blocks_for_memory(kv_cache_memory, cfg, block_size, spec)
-            if num_kv_blocks < 1:
-                raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block of "
-                                 f"{per_token * block_size} bytes")
-        capacity = num_kv_blocks * block_size
-        if max_model_len is None:
-            max_model_len = min(model_limit, capacity)
-        elif max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len={max_model_len} needs {cdiv(max_model_len, block_size)} KV blocks "
-                f"but the cache has {num_kv_blocks}; lower max_model_len or raise kv_cache_memory")
+        check_tensor_parallel(cfg, tensor_parallel_size)
+        self.tensor_parallel_size = tensor_parallel_size
+        tp = TPGroup(0, tensor_parallel_size)
+        self.driver: Driver | None = None
+        if tensor_parallel_size > 1:  # workers start importing while rank 0 loads
+            self.driver = Driver(tensor_parallel_size,
+                                 spawn=os.environ.get("PAGEDSERVE_TP_EXTERNAL") != "1")
+        try:
+            t0 = time.perf_counter()
+            net, weight_bytes = load_model(source, self.dtype, self.device, quantization, tp)
+            self.model = net
+            shard = local_config(cfg, tp)
+            spec = self.kv_cache_spec
+            # per worker: each rank holds 1/N of the KV heads of every block
+            self.kv_bytes_per_token = per_token = kv_bytes_per_token(shard, spec)
+            if num_kv_blocks is None:
+                if kv_cache_memory is None:
+                    local_ranks = 1 if self.driver is None or not self.driver.procs \
+                        else tensor_parallel_size
+                    kv_cache_memory = default_kv_cache_memory(self.device) // local_ranks
+                num_kv_blocks = num_blocks_for_memory(kv_cache_memory, shard, block_size, spec)
+                if num_kv_blocks < 1:
+                    raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block "
+                                     f"of {per_token * block_size} bytes")
+            capacity = num_kv_blocks * block_size
+            if max_model_len is None:
+                max_model_len = min(model_limit, capacity)
+            elif max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len={max_model_len} needs {cdiv(max_model_len, block_size)} KV "
+                    f"blocks but the cache has {num_kv_blocks}; lower max_model_len or raise "
+                    "kv_cache_memory")
+            num_swap_blocks = 0
+            if preemption_mode == "swap":
+                num_swap_blocks = int(swap_space * 2**30) // (per_token * block_size)
+            shape = ShardOptions(str(source.path), str(self.dtype).removeprefix("torch."),
+                                 str(self.device), quantization, spec.name, num_kv_blocks,
+                                 block_size, num_swap_blocks, max_model_len)
+            if self.driver is not None:
+                self.driver.send(shape)
+                tp = device_group(tp, shape.device)
+                net.set_tp(tp)
+            self.kv_cache = finish_shard(net, shape, tp)
+            local_runner = ModelRunner(self.model, self.kv_cache, self.device)
+            if self.driver is not None:
+                self.driver.wait_ready()
+                self.runner = DistributedRunner(local_runner, self.driver)
+            else:
+                self.runner = local_runner
+        except BaseException:
+            if self.driver is not None:
+                self.driver.close()
+            raise
+        if self.driver is not None:  # stop the workers when the engine goes (or at exit)
+            self._finalizer = weakref.finalize(self, self.driver.close)
         self.cache_config = CacheConfig(block_size, num_kv_blocks, spec.name)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                                 max_model_len)
-        self.model.rotary = RotaryEmbedding(cfg, max_model_len).to(self.device)
-        num_swap_blocks = 0
-        if preemption_mode == "swap":
-            num_swap_blocks = int(swap_space * 2**30) // (per_token * block_size)
-        self.kv_cache = KVCache.allocate(cfg, num_kv_blocks, block_size, spec, self.device,
-                                         num_swap_blocks)
         if kv_allocator == "contiguous":  # the pre-paging baseline, no prefix caching
             self.block_manager = ContiguousBlockManager(num_kv_blocks, block_size,
                                                         cdiv(max_model_len, block_size))
@@ -195,7 +232,6 @@ class LLMEngine:
             self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
                                               num_swap_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -364,6 +400,12 @@ class LLMEngine:
                 r.beam.done = True
             r.metrics.finished_time = time.time()
         self.scheduler.finish_requests(aborted)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (no-op without them); the engine is unusable
+        afterwards."""
+        if self.driver is not None:
+            self.driver.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -804,3 +846,55 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         raise ValueError(f"prompts must be a string, a dict or a list of them, "
                          f"got {type(prompts).__name__}")
     return list(prompts)
+
+
+# ---- building one rank's model and KV cache (rank 0 here, ranks > 0 in their workers) ----------
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What every tensor-parallel rank builds, as rank 0 resolved it (sent to the others)."""
+
+    model: str
+    dtype: str
+    device: str
+    quantization: str | None
+    kv_cache_dtype: str
+    num_kv_blocks: int
+    block_size: int
+    num_swap_blocks: int
+    max_model_len: int
+
+
+def load_model(source, dtype: torch.dtype, device: torch.device, quantization: str | None,
+               tp: TPGroup) -> tuple[LlamaForCausalLM, int]:
+    """This rank's shard of the model with its weights (quantized if asked); returns it and
+    the bytes its weights take."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(source.config, tp)
+    net = net.to_empty(device=device).to(dtype)
+    net.load_weights(source.weights(), str(source.path))
+    weight_bytes = 0
+    if quantization is not None:
+        weight_bytes = quantize_linear_layers(net, quantization)
+    weight_bytes += sum(p.numel() * p.element_size() for p in net.parameters())
+    return net.eval(), weight_bytes
+
+
+def finish_shard(net: LlamaForCausalLM, shard: ShardOptions, tp: TPGroup) -> KVCache:
+    """Give ``net`` its rotary table and allocate this rank's KV cache (its KV heads)."""
+    device = next(net.parameters()).device
+    net.rotary = RotaryEmbedding(net.config, shard.max_model_len).to(device)
+    spec = resolve_kv_cache_dtype(shard.kv_cache_dtype, next(net.parameters()).dtype)
+    return KVCache.allocate(local_config(net.config, tp), shard.num_kv_blocks, shard.block_size,
+                            spec, device, shard.num_swap_blocks)
+
+
+def build_worker(shard: ShardOptions, tp: TPGroup) -> ModelRunner:
+    """A rank > 0's runner: its model shard and KV cache, on ``cuda:<rank>`` for CUDA."""
+    device = resolve_device(shard.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
+        torch.cuda.set_device(device)
+    net, _ = load_model(open_model(shard.model), resolve_dtype(shard.dtype, device), device,
+                        shard.quantization, tp)
+    return ModelRunner(net, finish_shard(net, shard, tp), device)

@@ -55,7 +55,27 @@ class ModelRunnerOutput:
     prompt_logits: torch.Tensor | None = None
 
 
+@dataclass
+class ModelInput:
+    """One step as plain data (lists of ints, picklable): what every tensor-parallel rank needs
+    to run the same forward. ``groups``: per attention group, (query_lens, seq_lens,
+    block_tables); ``sample_rows`` / ``prompt_rows``: token rows projected to logits."""
+
+    blocks_to_swap_out: list[tuple[int, int]]
+    blocks_to_swap_in: list[tuple[int, int]]
+    blocks_to_copy: list[tuple[int, int]]
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    groups: list[tuple[list[int], list[int], list[list[int]]]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)
+
+
 class ModelRunner:
+    """Runs steps on this process's model and KV cache (under tensor parallelism: this rank's
+    shard; the logits come back on rank 0 only)."""
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
         self.model = model
         self.kv_cache = kv_cache
@@ -83,39 +103,17 @@ class ModelRunner:
             self._workspaces = ws
         return ws
 
-    def _group(self, items: list[tuple[Sequence, int]]):
-        return build_group(
-            [n for _, n in items],
-            [s.num_computed_tokens + n for s, n in items],
-            [s.block_table for s, _ in items],
-            self.block_size, self.num_queries_per_kv, self.device,
-        )
-
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: swap-out, swap-in and copy-on-write block copies, then the forward.
-        Returns the logits of the sequences whose scheduled chunk reaches their last token, and
-        of the computed prompt positions of requests that want prompt logprobs. Changes no
-        sequence."""
-        if sched.blocks_to_swap_out:
-            self.kv_cache.swap_out(sched.blocks_to_swap_out)
-        if sched.blocks_to_swap_in:
-            self.kv_cache.swap_in(sched.blocks_to_swap_in)
-        if sched.blocks_to_copy:
-            self.kv_cache.copy_blocks(sched.blocks_to_copy)
+    def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, ModelRunnerOutput]:
+        """Lay out one scheduled batch: the step's ModelInput, and an output naming the
+        sequences whose logits it will carry (logits not yet filled)."""
         out = ModelRunnerOutput()
-        if not sched.scheduled:
-            return out
+        inp = ModelInput(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
         groups = split_decodes([(s, n) for s, n in sched.scheduled if n == 1])
         prefills = [(s, n) for s, n in sched.scheduled if n > 1]
         if prefills:
             groups.append(prefills)
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[int] = []
+        input_ids, positions, slots = inp.input_ids, inp.positions, inp.slot_mapping
         for seq, n in (item for group in groups for item in group):
             start = seq.num_computed_tokens
             num_prompt = len(seq.request.prompt_token_ids)
@@ -123,28 +121,53 @@ class ModelRunner:
                     and start < num_prompt - 1:
                 count = min(start + n, num_prompt - 1) - start
                 out.prompt_rows.append((seq, start, count))
-                prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
+                inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+                inp.sample_rows.append(len(input_ids) - 1)
                 out.sample_seqs.append(seq)
-        attn_groups = [self._group(g) for g in groups]
+        inp.groups = [([n for _, n in g], [s.num_computed_tokens + n for s, n in g],
+                       [s.block_table for s, _ in g]) for g in groups]
+        return inp, out
+
+    @torch.inference_mode()
+    def execute_model(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Block copies (swap out, swap in, copy-on-write), then the forward of ``inp``.
+        Returns (logits of ``sample_rows``, logits of ``prompt_rows``), each None when there are
+        no such rows or on a tensor-parallel rank other than 0."""
+        if inp.blocks_to_swap_out:
+            self.kv_cache.swap_out(inp.blocks_to_swap_out)
+        if inp.blocks_to_swap_in:
+            self.kv_cache.swap_in(inp.blocks_to_swap_in)
+        if inp.blocks_to_copy:
+            self.kv_cache.copy_blocks(inp.blocks_to_copy)
+        if not inp.input_ids:
+            return None, None
+        dev = self.device
+        attn_groups = [build_group(q, s, t, self.block_size, self.num_queries_per_kv, dev)
+                       for q, s, t in inp.groups]
         ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=dev),
             groups=attn_groups, k_workspace=ws["k"], v_workspace=ws["v"],
             raw_workspace=ws["raw"], scale_workspace=ws["scale"],
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.kv_cache.layers, md,
-        )
-        for rows, name in ((sample_rows, "logits"), (prompt_rows, "prompt_logits")):
-            if rows:
-                index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-                setattr(out, name, self.model.compute_logits(hidden[index]))
+        hidden = self.model(torch.tensor(inp.input_ids, dtype=torch.int64, device=dev),
+                            torch.tensor(inp.positions, dtype=torch.int64, device=dev),
+                            self.kv_cache.layers, md)
+        results = []
+        for rows in (inp.sample_rows, inp.prompt_rows):
+            index = torch.tensor(rows, dtype=torch.int64, device=dev)
+            results.append(self.model.compute_logits(hidden[index]) if rows else None)
+        return results[0], results[1]
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Returns the logits of the sequences whose scheduled chunk reaches their
+        last token, and of the computed prompt positions of requests that want prompt
+        logprobs. Changes no sequence."""
+        inp, out = self.prepare(sched)
+        out.logits, out.prompt_logits = self.execute_model(inp)
         return out

@@ -15,6 +15,7 @@ from torch import nn
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import paged_attention
 from pagedserve.config import ModelConfig
+from pagedserve.distributed import SINGLE, TPGroup
 from pagedserve.kv.cache import LayerKVCache
 
 
@@ -90,24 +91,28 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): down(silu(gate(x)) * up(x)), gate|up fused."""
+    """SwiGLU MLP (Shazeer 2020): down(silu(gate(x)) * up(x)), gate|up fused. Under tensor
+    parallelism ``intermediate_size`` is this rank's columns and the output is all-reduced."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class Attention(nn.Module):
     """Multi-head attention with GQA/MQA over the paged KV cache; q|k|v fused (with bias for
-    Qwen2)."""
+    Qwen2). Under tensor parallelism ``config`` is this rank's shard (its heads and KV heads)
+    and the output is all-reduced."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -128,4 +133,4 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, md, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))

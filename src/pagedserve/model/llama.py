@@ -16,17 +16,18 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import ModelConfig
+from pagedserve.distributed import SINGLE, TPGroup, local_config, shard_weight
 from pagedserve.kv.cache import LayerKVCache
 from pagedserve.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(self, x, rope, kv_cache, md):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
@@ -36,32 +37,55 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head (tied to the embedding when the config says so).
 
-    ``rotary`` is set by the owner once max_model_len is known (its cos/sin table covers it).
+    ``config`` is the whole model's; under tensor parallelism (``tp``, see
+    pagedserve.distributed) the layers hold this rank's heads and MLP columns, and the embedding
+    and LM head this rank's vocabulary slice. ``rotary`` is set by the owner once max_model_len
+    is known (its cos/sin table covers it).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.tp = tp
+        local = local_config(config, tp)
+        self.vocab_start, vocab_rows = tp.vocab_shard(config.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(local, tp)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary: RotaryEmbedding | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
+
+    def set_tp(self, tp: TPGroup) -> None:
+        """Point every layer at ``tp`` (the same ranks; e.g. with its NCCL group added)."""
+        for module in self.modules():
+            if hasattr(module, "tp"):
+                module.tp = tp
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, hidden]; a vocabulary-parallel lookup summed over the ranks."""
+        if self.tp.world_size == 1:
+            return self.embed_tokens(input_ids)
+        ids = input_ids - self.vocab_start
+        inside = (ids >= 0) & (ids < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(inside, ids, 0)) * inside[:, None]
+        return self.tp.all_reduce(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerKVCache], md: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, md)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallelism gathered
+        on rank 0; None on the other ranks)."""
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.tp.gather_vocab(F.linear(hidden, weight).float(), self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy checkpoint tensors (transformers names) into the fused parameters.
@@ -71,14 +95,16 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        local = local_config(self.config, self.tp)
         for name, tensor in weights:
-            target = _map_name(name, self.config)
+            target = _map_name(name, local)
             if target is None:
                 continue
             pname, offset = target
             if pname not in params:
                 raise ValueError(f"{source}: unexpected tensor {name!r}")
             param = params[pname]
+            tensor = shard_weight(name, tensor, self.config, self.tp)
             size = tensor.shape[0]
             dst = param.data if offset is None else param.data.narrow(0, offset, size)
             if dst.shape != tensor.shape:

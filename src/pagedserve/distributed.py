@@ -1,0 +1,357 @@
+"""Tensor parallelism over torch.distributed (Megatron-LM, Shoeybi et al. 2019, sec. 3).
+
+Rank r of N holds heads [r*H/N, (r+1)*H/N) of the queries and of the KV heads (so its share of
+every KV block), columns of gate|up and rows of down (one all-reduce after o_proj and one after
+down), and a vocabulary slice of the embedding and LM head. The driver (rank 0, in the engine's
+process) owns the only scheduler and block-id space: each step it broadcasts the ModelInput
+(block tables, slot mapping, block copies) once, every rank runs the same forward on its shard,
+and the logits are gathered to rank 0, which samples.
+
+Start-up is torch.distributed's environment rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE): on one host the engine starts ranks 1..N-1 itself (``python -m
+pagedserve.distributed`` with that environment); across hosts each rank is started by hand and
+rank 0's engine sends the engine options to the others. A worker that dies ends the engine with
+WorkerDiedError naming the rank; the remaining workers are stopped, none is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.config import ModelConfig
+
+logger = logging.getLogger("pagedserve")
+
+# collectives wait at most this long for a peer (a dead worker is usually seen at once)
+TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_TIMEOUT", 120)))
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker died or stopped answering; the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group (world_size 1: no collectives).
+    ``group``: the process group of the tensor collectives (None: the default gloo group; an
+    NCCL group on CUDA, see ``device_group``)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = field(default=None, compare=False)
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """(start, size) of this rank's slice of ``n`` (a multiple of world_size)."""
+        size = n // self.world_size
+        return self.rank * size, size
+
+    def vocab_shard(self, vocab_size: int) -> tuple[int, int]:
+        """(start, padded size) of this rank's vocabulary slice: ceil(vocab / N) rows, the
+        last rank's tail padded (its rows are zero and their logits dropped)."""
+        size = -(-vocab_size // self.world_size)
+        return self.rank * size, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """[rows, vocab slice] on every rank -> [rows, vocab_size] on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else None
+
+
+SINGLE = TPGroup()  # no tensor parallelism
+
+
+def device_group(tp: TPGroup, device: str) -> TPGroup:
+    """``tp`` with the group its tensors travel through: NCCL for CUDA (created on every rank
+    at the same point, after the options are shared), the default gloo group otherwise.
+    Control messages always go through gloo."""
+    if tp.world_size == 1 or not device.startswith("cuda"):
+        return tp
+    return replace(tp, group=dist.new_group(backend="nccl"))
+
+
+def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise ValueError naming the numbers when the model's heads or MLP width do not split
+    evenly over ``tensor_parallel_size`` ranks (KV heads are not replicated)."""
+    n = tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    for what, count in (("query heads", cfg.num_attention_heads),
+                        ("KV heads", cfg.num_key_value_heads),
+                        ("MLP intermediate size", cfg.intermediate_size)):
+        if count % n:
+            raise ValueError(f"tensor_parallel_size={n} does not divide the model's {count} "
+                             f"{what}; choose a divisor of {cfg.num_key_value_heads} "
+                             "(KV heads are split, not replicated)")
+
+
+def local_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
+    """The config of one rank's shard: its heads, KV heads and MLP width (vocab unchanged)."""
+    n = tp.world_size
+    return replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
+                   num_key_value_heads=cfg.num_key_value_heads // n,
+                   intermediate_size=cfg.intermediate_size // n)
+
+
+def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor ``name`` (transformers names, full model)."""
+    if tp.world_size == 1:
+        return w
+    d = cfg.head_dim
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, size = tp.vocab_shard(cfg.vocab_size)
+        part = w[start:start + size]
+        if part.shape[0] < size:  # the last rank's padding
+            part = torch.cat([part, part.new_zeros(size - part.shape[0], *part.shape[1:])])
+        return part
+    if ".self_attn.q_proj." in name:
+        start, size = tp.shard(cfg.num_attention_heads)
+        return w[start * d:(start + size) * d]
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        start, size = tp.shard(cfg.num_key_value_heads)
+        return w[start * d:(start + size) * d]
+    if ".self_attn.o_proj." in name:
+        start, size = tp.shard(cfg.num_attention_heads)
+        return w[:, start * d:(start + size) * d]
+    if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+        start, size = tp.shard(cfg.intermediate_size)
+        return w[start:start + size]
+    if ".mlp.down_proj." in name:
+        start, size = tp.shard(cfg.intermediate_size)
+        return w[:, start:start + size]
+    return w  # norms: replicated
+
+
+# ---- processes --------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _set_threads(world_size: int) -> None:
+    """Split this host's cores between the ranks it runs (unless OMP_NUM_THREADS says)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+class Driver:
+    """Rank 0's side: starts (or meets) the workers, sends each step, watches them.
+
+    ``spawn``: start ranks 1..N-1 on this host; otherwise the environment's MASTER_ADDR,
+    MASTER_PORT, RANK=0 and WORLD_SIZE=N describe a group whose other ranks are started
+    elsewhere (``python -m pagedserve.distributed``).
+    """
+
+    def __init__(self, world_size: int, spawn: bool):
+        if dist.is_initialized():
+            raise ValueError("another tensor-parallel engine is running in this process; call "
+                             "its llm_engine.shutdown() first (torch.distributed has one "
+                             "default group per process)")
+        self.world_size = world_size
+        self.procs: list[subprocess.Popen] = []
+        self.dead: str | None = None
+        self._closed = False
+        if spawn:
+            port = _free_port()
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "WORLD_SIZE": str(world_size), "PAGEDSERVE_TP_PARENT": str(os.getpid())}
+            if "OMP_NUM_THREADS" not in os.environ:
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+            for rank in range(1, world_size):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pagedserve.distributed"],
+                    env={**env, "RANK": str(rank)}))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            _set_threads(world_size)
+            threading.Thread(target=self._watch, daemon=True).start()
+        else:
+            if int(os.environ.get("WORLD_SIZE", -1)) != world_size \
+                    or int(os.environ.get("RANK", -1)) != 0:
+                raise ValueError(
+                    f"tensor_parallel_size={world_size} across hosts needs RANK=0 and "
+                    f"WORLD_SIZE={world_size} (and MASTER_ADDR, MASTER_PORT) in the environment")
+        try:
+            dist.init_process_group("gloo", rank=0, world_size=world_size, timeout=TIMEOUT,
+                                    init_method="env://")
+        except Exception as e:
+            self.close()
+            raise WorkerDiedError(f"tensor-parallel start-up failed: {self.dead or e}") from e
+
+    def _watch(self) -> None:
+        """Notice a dead worker within a second; stop the others so that no collective waits
+        on it (their connections close and rank 0's call raises)."""
+        while not self._closed:
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None and not self._closed:
+                    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+                    self.dead = (f"tensor-parallel worker rank {rank} (pid {p.pid}) died "
+                                 f"({how})")
+                    logger.error("%s; stopping the engine", self.dead)
+                    self._kill_all()
+                    return
+            time.sleep(0.2)
+
+    def _kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def send(self, obj: Any) -> None:
+        """Broadcast one message (engine options, a ModelInput, or None = stop) to every rank."""
+        self.check()
+        try:
+            dist.broadcast_object_list([obj], src=0)
+        except Exception as e:
+            raise self.failure(e) from e
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has built its shard; raise WorkerDiedError naming the rank
+        and its error when one could not (the others then exit)."""
+        status: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(status, None)
+        except Exception as e:
+            raise self.failure(e) from e
+        errors = [f"rank {r}: {err}" for r, err in enumerate(status) if err]
+        if errors:
+            self.dead = "tensor-parallel worker start-up failed: " + "; ".join(errors)
+            self.close()
+            raise WorkerDiedError(self.dead)
+
+    def check(self) -> None:
+        if self.dead:
+            raise WorkerDiedError(self.dead)
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel group is shut down")
+
+    def failure(self, e: BaseException) -> WorkerDiedError:
+        """The error to raise after a collective failed: the dead rank when one is known."""
+        time.sleep(0.5)  # give the watcher time to name the rank
+        msg = self.dead or f"a tensor-parallel worker stopped answering: {e}"
+        self.dead = msg
+        self.close()
+        return WorkerDiedError(msg)
+
+    def close(self) -> None:
+        """Tell the workers to stop, wait for them (killing any that hang), leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.dead and dist.is_initialized():
+            try:
+                dist.broadcast_object_list([None], src=0)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DistributedRunner:
+    """The engine's runner under tensor parallelism: lays out each step once (rank 0's
+    ModelRunner.prepare), broadcasts it, runs rank 0's shard; the logits arrive on rank 0."""
+
+    def __init__(self, runner, driver: Driver):
+        self.runner = runner
+        self.driver = driver
+
+    def execute(self, sched):
+        inp, out = self.runner.prepare(sched)
+        self.driver.send(inp)
+        try:
+            out.logits, out.prompt_logits = self.runner.execute_model(inp)
+        except RuntimeError as e:
+            raise self.driver.failure(e) from e
+        return out
+
+
+def _die_with_parent() -> None:
+    """A locally spawned worker exits within half a second of its engine's process (even while
+    loading; in a collective the closed connection ends it sooner)."""
+    parent = os.environ.get("PAGEDSERVE_TP_PARENT")
+    if parent is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def worker_main() -> int:
+    """Rank > 0: join the group from the environment, build the shard the driver describes,
+    then run every step it broadcasts until it sends None."""
+    from pagedserve.engine import build_worker
+
+    _die_with_parent()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _set_threads(world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT,
+                            init_method="env://")
+    try:
+        msg: list[Any] = [None]
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0] is None:
+            return 0
+        runner, error = None, None
+        try:
+            if msg[0].device.startswith("cuda"):
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            tp = device_group(TPGroup(rank, world_size), msg[0].device)
+            runner = build_worker(msg[0], tp)
+        except Exception as e:  # reported to rank 0, which raises it
+            error = f"{type(e).__name__}: {e}"
+        status: list[Any] = [None] * world_size
+        dist.all_gather_object(status, error)
+        if any(status):
+            return 1 if error else 0
+        while True:
+            dist.broadcast_object_list(msg, src=0)
+            if msg[0] is None:
+                return 0
+            runner.execute_model(msg[0])
+    except Exception as e:  # the driver or a peer died: leave quietly, the driver reports it
+        print(f"pagedserve tensor-parallel worker rank {rank}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

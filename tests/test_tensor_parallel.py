@@ -1,0 +1,208 @@
+"""Tensor parallelism over torch.distributed (gloo): TP=2 gives TP=1's greedy tokens on a tiny
+Llama with 4 KV heads, through prefix caching, both preemption modes, n > 1 and an 8-bit cache;
+the shards hold what they should; a dead worker ends the engine with an error naming its rank,
+and no worker outlives its engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from _helpers import save_tiny_model
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.distributed import TPGroup, WorkerDiedError, local_config, shard_weight
+
+
+@pytest.fixture(scope="module")
+def tiny_4kv(tmp_path_factory) -> str:
+    """8 query heads, 4 KV heads (head_dim 8), untied LM head, vocab 320."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_4kv"), "llama", num_attention_heads=8,
+                           num_key_value_heads=4)
+
+
+def _tokens(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def _workload(n: int = 12):
+    """A 45-token shared prefix plus distinct tails; long greedy outputs."""
+    prefix = [(31 * j + 7) % 300 + 3 for j in range(45)]
+    prompts = [{"prompt_token_ids": prefix + [(13 * i + 5 * j) % 300 + 3
+                                              for j in range(3 + i % 7)]} for i in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=30 + (13 * i) % 31, ignore_eos=True)
+              for i in range(n)]
+    return prompts, params
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie counts as gone only once reaped
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_shards_split_heads_mlp_and_vocabulary():
+    from pagedserve.config import ModelConfig
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=8,
+                      intermediate_size=6, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=2)
+    tp = TPGroup(1, 2)
+    local = local_config(cfg, tp)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) \
+        == (2, 1, 3)
+    w = torch.arange(10 * 8.0).view(10, 8)
+    assert torch.equal(shard_weight("model.embed_tokens.weight", w, cfg, tp), w[5:])
+    q = torch.arange(8 * 8.0).view(8, 8)  # 4 heads of 2 rows
+    assert torch.equal(shard_weight("model.layers.0.self_attn.q_proj.weight", q, cfg, tp), q[4:])
+    k = torch.arange(4 * 8.0).view(4, 8)
+    assert torch.equal(shard_weight("model.layers.0.self_attn.k_proj.weight", k, cfg, tp), k[2:])
+    assert torch.equal(shard_weight("model.layers.0.self_attn.o_proj.weight", q.t(), cfg, tp),
+                       q.t()[:, 4:])
+    down = torch.arange(8 * 6.0).view(8, 6)
+    assert torch.equal(shard_weight("model.layers.0.mlp.down_proj.weight", down, cfg, tp),
+                       down[:, 3:])
+    # 10 words over 3 ranks: 4 + 4 + 2, the last padded with zero rows
+    last = shard_weight("lm_head.weight", w, cfg, TPGroup(2, 3))
+    assert last.shape == (4, 8) and torch.equal(last[:2], w[8:]) and not last[2:].any()
+
+
+def test_tp_size_must_divide_heads(tiny_4kv):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 8 "
+                                         "query heads"):
+        LLM(tiny_4kv, skip_tokenizer_init=True, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(tiny_4kv, skip_tokenizer_init=True, tensor_parallel_size=0)
+
+
+def test_tp2_equals_tp1_with_prefix_caching_preemption_and_forks(tiny_4kv):
+    prompts, params = _workload()
+    one = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4)
+    ref = _tokens(one.generate(prompts, params, use_tqdm=False))
+    fork = {"prompt_token_ids": [(7 * j + 3) % 300 + 3 for j in range(23)]}
+    sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    ref_fork = _tokens(one.generate(fork, sampled, use_tqdm=False))
+
+    for mode in ("recompute", "swap"):
+        two = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=60, block_size=4,
+                  tensor_parallel_size=2, preemption_mode=mode, swap_space=0.01)
+        try:
+            assert _tokens(two.generate(prompts, params, use_tqdm=False)) == ref
+            stats = two.kv_cache_stats()
+            assert stats.prefix_cache_hits >= 44 * (len(prompts) - 1) // 2
+            assert stats.num_preemptions > 0
+            if mode == "swap":
+                assert stats.num_swapped_out_blocks > 0
+            else:
+                assert _tokens(two.generate(fork, sampled, use_tqdm=False)) == ref_fork
+            # each rank holds 2 of the 4 KV heads of every block
+            assert two.llm_engine.kv_cache.kv.shape[-2] == 2
+        finally:
+            two.llm_engine.shutdown()
+
+
+def test_tp2_with_an_int8_cache_and_the_planner_bytes(tiny_4kv):
+    from pagedserve import planner
+
+    prompts, params = _workload(6)
+    one = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=512, block_size=4,
+              kv_cache_dtype="int8")
+    ref = _tokens(one.generate(prompts, params, use_tqdm=False))
+    two = LLM(tiny_4kv, skip_tokenizer_init=True, kv_cache_memory=1 << 20, block_size=4,
+              kv_cache_dtype="int8", tensor_parallel_size=2)
+    try:
+        assert _tokens(two.generate(prompts, params, use_tqdm=False)) == ref
+        eng = two.llm_engine
+        shape = planner.load_shape(tiny_4kv)
+        plan = planner.make_plan(shape, 1 << 20, weights_dtype="fp32", kv_cache_dtype="int8",
+                                 tensor_parallel_size=2,
+                                 weight_bytes=0, block_size=4)
+        assert eng.kv_bytes_per_token == plan.kv_bytes_per_token == one.llm_engine \
+            .kv_bytes_per_token // 2
+        assert eng.cache_config.num_blocks == plan.num_blocks
+    finally:
+        two.llm_engine.shutdown()
+
+
+def test_killing_a_worker_mid_run_names_its_rank(tiny_4kv):
+    llm = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=2048, block_size=4,
+              tensor_parallel_size=2)
+    worker = llm.llm_engine.driver.procs[0]
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    killer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
+    killer.start()
+    t0 = time.time()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) died \(signal SIGKILL\)"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert time.time() - t0 < 1.0 + 5
+    assert not _alive(worker.pid)
+    with pytest.raises(WorkerDiedError, match="rank 1"):  # the engine stays dead, clearly
+        llm.generate(prompts[0], params, use_tqdm=False)
+    llm.llm_engine.abort_request(list(llm.llm_engine.requests))
+
+
+def test_workers_stop_with_their_engine(tiny_4kv):
+    """Shutdown stops the workers cleanly; a driver killed outright takes them along."""
+    llm = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
+              tensor_parallel_size=2)
+    worker = llm.llm_engine.driver.procs[0]
+    llm.llm_engine.shutdown()
+    assert worker.returncode == 0
+    script = ("import time; from pagedserve import LLM; "
+              f"llm = LLM({tiny_4kv!r}, skip_tokenizer_init=True, num_kv_blocks=64, "
+              "tensor_parallel_size=3 - 1); "
+              "print(llm.llm_engine.driver.procs[0].pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while _alive(pid):
+        assert time.time() < deadline, "the worker outlived its killed engine"
+        time.sleep(0.1)
+
+
+def test_serve_cli_with_two_workers(tiny_4kv):
+    """`pagedserve serve --tensor-parallel-size 2` answers the openai client and leaves no
+    worker behind after SIGTERM."""
+    import socket
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", tiny_4kv,
+                             "--port", str(port), "--tensor-parallel-size", "2",
+                             "--num-kv-blocks", "128", "--block-size", "4"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=30)
+        deadline = time.time() + 60
+        while True:
+            try:
+                out = client.completions.create(model="tiny", prompt="hello", max_tokens=5,
+                                                temperature=0)
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.time() < deadline, "server did not start"
+                time.sleep(0.3)
+        assert out.usage.completion_tokens == 5
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+    children = subprocess.run(["pgrep", "-f", "pagedserve.distributed"], capture_output=True,
+                              text=True).stdout.split()
+    assert not [c for c in children if _alive(int(c))], "a worker outlived the server"
