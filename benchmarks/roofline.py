@@ -8,6 +8,8 @@ once per layer, as the model runs them). Engine: B requests with short prompts d
 ``--decode-tokens`` tokens together (greedy, ignore_eos); the steps after everyone's prefill are
 timed; decode FLOP/s = model FLOPs per token x tokens/s, where model FLOPs per token =
 2 x (the matmul weights' elements) + attention's 4 x context x num_heads x head_dim per layer.
+For each batch it also times the same matmuls alone at M = batch rows: the most a decode step
+of that batch could reach if attention, norms and the engine took no time.
 
     python benchmarks/roofline.py                    # bfloat16, batches 1 8 32 64 128 256
     python benchmarks/roofline.py --dtype float32 --batches 1 64
@@ -51,6 +53,18 @@ def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) ->
             torch.matmul(a, w.t(), out=out)
         best = max(best, 2 * m * k * n * iters / (time.perf_counter() - t0))
     return best / 1e9
+
+
+def forward_matmul_rate(cfg, m: int, dtype: torch.dtype,
+                        linear_dtype: torch.dtype | None = None) -> float:
+    """FLOP-weighted GFLOP/s of one forward's matmuls at M = ``m`` rows: the ceiling of a
+    decode step of ``m`` sequences if nothing but the matmuls took time."""
+    flops = seconds = 0.0
+    for name, k, n, times in weight_shapes(cfg):
+        rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype, 3)
+        flops += 2 * m * k * n * times
+        seconds += 2 * m * k * n * times / (rate * 1e9)
+    return flops / seconds / 1e9
 
 
 def machine_peak(cfg, dtype: torch.dtype, linear_dtype: torch.dtype | None = None
@@ -121,15 +135,20 @@ def main() -> None:
     print("  " + ", ".join(f"{k}: {v}" for k, v in detail.items()))
     decode_rate(llm, 2, args.prompt_len, 4)  # warm-up
     rows = []
-    print("\n| batch | step ms | tokens/s | GFLOP/s | share of peak |")
-    print("|---:|---:|---:|---:|---:|")
+    print("\n| batch | step ms | tokens/s | GFLOP/s | share of peak | matmuls alone at M = batch "
+          "| their share of peak |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    linear = torch.bfloat16 if args.quantization else None
     for b in args.batches:
         r = decode_rate(llm, b, args.prompt_len, args.decode_tokens)
         gflops = r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9
-        row = {"batch": b, **r, "gflops": gflops, "share_of_peak": gflops / peak}
+        ceiling = forward_matmul_rate(cfg, b, dtype, linear)
+        row = {"batch": b, **r, "gflops": gflops, "share_of_peak": gflops / peak,
+               "matmul_gflops_at_batch": ceiling}
         rows.append(row)
         print(f"| {b} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {gflops:.1f} | "
-              f"{100 * gflops / peak:.0f}% |", flush=True)
+              f"{100 * gflops / peak:.0f}% | {ceiling:.1f} | {100 * ceiling / peak:.0f}% |",
+              flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": str(dtype),
                                                "quantization": args.quantization,

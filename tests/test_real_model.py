@@ -92,3 +92,24 @@ def test_int4_linear_layers_answer_paris(smollm2_path):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "Explain paging in one sentence.", "List three primary colours.",
+         "What is 12 times 7?", "Translate 'good morning' into Spanish.",
+         "Name a famous physicist.", "Why is the sky blue?"]
+
+
+def test_tensor_parallel_3_gives_the_same_greedy_tokens(real_llm, smollm2_path):
+    """SmolLM2's 3 KV heads over 3 processes (gloo): each rank holds 3 query heads, 1 KV head,
+    512 MLP columns and 16,384 words of the vocabulary; 8 chats give TP=1's greedy tokens."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    convs = [[{"role": "user", "content": c}] for c in CHATS]
+    ref = [o.outputs[0].token_ids for o in real_llm.chat(convs, params, use_tqdm=False)]
+    tp3 = LLM(smollm2_path, dtype="float32", kv_cache_memory=64 << 20, tensor_parallel_size=3)
+    try:
+        outs = tp3.chat(convs, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert tp3.llm_engine.kv_cache.kv.shape[-2] == 1
+    finally:
+        tp3.llm_engine.shutdown()

@@ -55,7 +55,8 @@ def test_shards_split_heads_mlp_and_vocabulary():
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=8,
                       intermediate_size=6, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=2)
+                      num_key_value_heads=2, head_dim=2, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=False)
     tp = TPGroup(1, 2)
     local = local_config(cfg, tp)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) \
@@ -192,7 +193,8 @@ def test_serve_cli_with_two_workers(tiny_4kv):
         deadline = time.time() + 60
         while True:
             try:
-                out = client.completions.create(model="tiny", prompt="hello", max_tokens=5,
+                name = client.models.list().data[0].id
+                out = client.completions.create(model=name, prompt="hello", max_tokens=5,
                                                 temperature=0)
                 break
             except openai.APIConnectionError:
