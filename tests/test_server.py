@@ -61,8 +61,22 @@ class LiveServer:
             time.sleep(0.01)
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(tiny_llama, request):
+    """The openai-client tests run against one engine process and against two tensor-parallel
+    workers (the tiny Llama's 2 KV heads, one per rank)."""
+    engine = LLMEngine(tiny_llama, num_kv_blocks=256, block_size=4,
+                       tensor_parallel_size=request.param)
+    s = LiveServer(engine)
+    yield s
+    s.stop()
+    engine.shutdown()
+
+
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def fuzz_server(tiny_llama):
+    """One engine process: the fuzz exercises the HTTP layer's validation (httpx, not the
+    openai client), and 300 bodies over gloo would take minutes on 2 cores."""
     engine = LLMEngine(tiny_llama, num_kv_blocks=256, block_size=4)
     s = LiveServer(engine)
     yield s
@@ -485,18 +499,19 @@ def _send(server, path: str, body: dict) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_COMPLETION)
-def test_fuzz_completions(server, body):
-    _send(server, "/v1/completions", body)
+def test_fuzz_completions(fuzz_server, body):
+    _send(fuzz_server, "/v1/completions", body)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_CHAT)
-def test_fuzz_chat(server, body):
-    _send(server, "/v1/chat/completions", body)
+def test_fuzz_chat(fuzz_server, body):
+    _send(fuzz_server, "/v1/chat/completions", body)
 
 
-def test_server_is_clean_after_fuzzing(server, client):
-    server.idle()
+def test_server_is_clean_after_fuzzing(fuzz_server):
+    fuzz_server.idle()
+    client = fuzz_server.client()
     assert client.completions.create(**OK_COMPLETION).choices[0].finish_reason
 
 

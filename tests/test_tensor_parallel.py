@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from _helpers import save_tiny_model
@@ -201,10 +202,10 @@ def test_serve_cli_with_two_workers(tiny_4kv):
                 assert proc.poll() is None and time.time() < deadline, "server did not start"
                 time.sleep(0.3)
         assert out.usage.completion_tokens == 5
+        workers = [c.pid for c in psutil.Process(proc.pid).children()]
+        assert len(workers) == 1
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-2000:]
-    children = subprocess.run(["pgrep", "-f", "pagedserve.distributed"], capture_output=True,
-                              text=True).stdout.split()
-    assert not [c for c in children if _alive(int(c))], "a worker outlived the server"
+    assert not [pid for pid in workers if _alive(pid)], "a worker outlived the server"
