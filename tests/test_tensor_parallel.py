@@ -209,3 +209,56 @@ def test_serve_cli_with_two_workers(tiny_4kv):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-2000:]
     assert not [pid for pid in workers if _alive(pid)], "a worker outlived the server"
+
+
+def test_an_idle_engine_outlives_the_collective_timeout(tiny_4kv, monkeypatch):
+    """Idle workers wait for the next step inside a collective; the driver's heartbeat keeps
+    that wait under PAGEDSERVE_TP_TIMEOUT (here 4 s, idle for 7 s)."""
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "4")
+    llm = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
+              tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        first = _tokens(llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False))
+        time.sleep(7)
+        assert llm.llm_engine.is_healthy()
+        again = _tokens(llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False))
+        assert again == first
+    finally:
+        llm.llm_engine.shutdown()
+    assert not llm.llm_engine.is_healthy()
+
+
+def test_a_worker_dying_while_idle_is_noticed_and_ctrl_c_stops_at_once(tiny_4kv):
+    import _thread
+
+    llm = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
+              tensor_parallel_size=2)
+    os.kill(llm.llm_engine.driver.procs[0].pid, signal.SIGKILL)
+    time.sleep(1.5)
+    assert not llm.llm_engine.is_healthy()  # the server's /health turns 503 on this
+    llm.llm_engine.shutdown()
+
+    # KeyboardInterrupt mid-run leaves the ranks out of step: the workers are stopped at once
+    llm = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=2048, block_size=4,
+              tensor_parallel_size=2)
+    worker = llm.llm_engine.driver.procs[0]
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": [5 + i, 6]} for i in range(4)],
+                     SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                     use_tqdm=False)
+    assert time.time() - t0 < 1.0 + 5 and not _alive(worker.pid)
+    with pytest.raises(WorkerDiedError, match="interrupted"):
+        llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.llm_engine.abort_request(list(llm.llm_engine.requests))
+
+
+def test_worker_cli_needs_the_rendezvous_environment(monkeypatch, capsys):
+    from pagedserve.cli import main
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert main(["worker"]) == 2
+    assert "needs MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE" in capsys.readouterr().err

@@ -9,7 +9,7 @@ and the logits are gathered to rank 0, which samples.
 
 Start-up is torch.distributed's environment rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE): on one host the engine starts ranks 1..N-1 itself (``python -m
-pagedserve.distributed`` with that environment); across hosts each rank is started by hand and
+pagedserve.cli worker`` with that environment); across hosts each rank is started by hand and
 rank 0's engine sends the engine options to the others. A worker that dies ends the engine with
 WorkerDiedError naming the rank; the remaining workers are stopped, none is left behind.
 """
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,8 +36,13 @@ from pagedserve.config import ModelConfig
 
 logger = logging.getLogger("pagedserve")
 
-# collectives wait at most this long for a peer (a dead worker is usually seen at once)
-TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_TIMEOUT", 120)))
+
+
+def _timeout() -> datetime.timedelta:
+    """How long a collective waits for a silent peer (PAGEDSERVE_TP_TIMEOUT seconds, default
+    120; a dead local worker is noticed within a second regardless). Idle workers are pinged
+    every HEARTBEAT_S, so waiting for the next step never hits it."""
+    return datetime.timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_TIMEOUT", 120)))
 
 
 class WorkerDiedError(RuntimeError):
@@ -163,7 +169,7 @@ class Driver:
 
     ``spawn``: start ranks 1..N-1 on this host; otherwise the environment's MASTER_ADDR,
     MASTER_PORT, RANK=0 and WORLD_SIZE=N describe a group whose other ranks are started
-    elsewhere (``python -m pagedserve.distributed``).
+    elsewhere (``pagedserve worker``).
     """
 
     def __init__(self, world_size: int, spawn: bool):
@@ -175,6 +181,10 @@ class Driver:
         self.procs: list[subprocess.Popen] = []
         self.dead: str | None = None
         self._closed = False
+        # One thread at a time talks to the group: a step (send + forward) or a heartbeat.
+        self.lock = threading.RLock()
+        self._last_send = time.monotonic()
+        self._in_step = False
         if spawn:
             port = _free_port()
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -183,7 +193,7 @@ class Driver:
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
             for rank in range(1, world_size):
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "pagedserve.distributed"],
+                    [sys.executable, "-m", "pagedserve.cli", "worker"],
                     env={**env, "RANK": str(rank)}))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             _set_threads(world_size)
@@ -195,11 +205,29 @@ class Driver:
                     f"tensor_parallel_size={world_size} across hosts needs RANK=0 and "
                     f"WORLD_SIZE={world_size} (and MASTER_ADDR, MASTER_PORT) in the environment")
         try:
-            dist.init_process_group("gloo", rank=0, world_size=world_size, timeout=TIMEOUT,
+            dist.init_process_group("gloo", rank=0, world_size=world_size, timeout=_timeout(),
                                     init_method="env://")
         except Exception as e:
             self.close()
             raise WorkerDiedError(f"tensor-parallel start-up failed: {self.dead or e}") from e
+
+    def _heartbeat(self) -> None:
+        """Keep idle workers' wait for the next step inside the collective timeout: a ping
+        every quarter of it (at most every 20 s)."""
+        every = min(20.0, _timeout().total_seconds() / 4)
+        while not self._closed and not self.dead:
+            time.sleep(min(1.0, every / 2))
+            with self.lock:
+                if self._closed or self.dead or self._in_step \
+                        or time.monotonic() - self._last_send < every:
+                    continue
+                try:
+                    dist.broadcast_object_list(["ping"], src=0)
+                    self._last_send = time.monotonic()
+                except Exception as e:
+                    self.dead = self.dead or f"a tensor-parallel worker stopped answering: {e}"
+                    logger.error("%s", self.dead)
+                    return
 
     def _watch(self) -> None:
         """Notice a dead worker within a second; stop the others so that no collective waits
@@ -227,9 +255,32 @@ class Driver:
         """Broadcast one message (engine options, a ModelInput, or None = stop) to every rank."""
         self.check()
         try:
-            dist.broadcast_object_list([obj], src=0)
+            with self.lock:
+                dist.broadcast_object_list([obj], src=0)
+                self._last_send = time.monotonic()
         except Exception as e:
             raise self.failure(e) from e
+
+    def run_step(self, inp: Any, execute: Callable[[Any], Any]) -> Any:
+        """Send one step's ModelInput and run rank 0's part of it, as one unit. Anything that
+        breaks it (a dead peer, KeyboardInterrupt) leaves the ranks out of step: the group is
+        then stopped at once and the engine is dead."""
+        with self.lock:
+            self._in_step = True
+            try:
+                self.send(inp)
+                result = execute(inp)
+            except WorkerDiedError:
+                raise
+            except RuntimeError as e:
+                raise self.failure(e) from e
+            except BaseException as e:
+                self.dead = self.dead or (f"a step was interrupted ({type(e).__name__}); the "
+                                          "tensor-parallel group is stopped")
+                self.close()
+                raise
+            self._in_step = False
+            return result
 
     def wait_ready(self) -> None:
         """Wait until every worker has built its shard; raise WorkerDiedError naming the rank
@@ -244,12 +295,15 @@ class Driver:
             self.dead = "tensor-parallel worker start-up failed: " + "; ".join(errors)
             self.close()
             raise WorkerDiedError(self.dead)
+        self._last_send = time.monotonic()
+        threading.Thread(target=self._heartbeat, daemon=True).start()
 
     def check(self) -> None:
         if self.dead:
             raise WorkerDiedError(self.dead)
         if self._closed:
-            raise WorkerDiedError("the tensor-parallel group is shut down")
+            raise WorkerDiedError("the engine was shut down (LLMEngine.shutdown()); create a "
+                                  "new one")
 
     def failure(self, e: BaseException) -> WorkerDiedError:
         """The error to raise after a collective failed: the dead rank when one is known."""
@@ -264,9 +318,12 @@ class Driver:
         if self._closed:
             return
         self._closed = True
-        if not self.dead and dist.is_initialized():
+        if self.dead or self._in_step:  # the ranks are out of step: no goodbye, just stop
+            self._kill_all()
+        elif dist.is_initialized():
             try:
-                dist.broadcast_object_list([None], src=0)
+                with self.lock:
+                    dist.broadcast_object_list([None], src=0)
             except Exception:
                 pass
         deadline = time.monotonic() + 10
@@ -290,11 +347,7 @@ class DistributedRunner:
 
     def execute(self, sched):
         inp, out = self.runner.prepare(sched)
-        self.driver.send(inp)
-        try:
-            out.logits, out.prompt_logits = self.runner.execute_model(inp)
-        except RuntimeError as e:
-            raise self.driver.failure(e) from e
+        out.logits, out.prompt_logits = self.driver.run_step(inp, self.runner.execute_model)
         return out
 
 
@@ -321,11 +374,12 @@ def worker_main() -> int:
     _die_with_parent()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _set_threads(world_size)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT,
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_timeout(),
                             init_method="env://")
     try:
-        msg: list[Any] = [None]
-        dist.broadcast_object_list(msg, src=0)
+        msg: list[Any] = ["ping"]
+        while msg[0] == "ping":  # the driver's options (it may ping while loading)
+            dist.broadcast_object_list(msg, src=0)
         if msg[0] is None:
             return 0
         runner, error = None, None
@@ -344,7 +398,8 @@ def worker_main() -> int:
             dist.broadcast_object_list(msg, src=0)
             if msg[0] is None:
                 return 0
-            runner.execute_model(msg[0])
+            if msg[0] != "ping":
+                runner.execute_model(msg[0])
     except Exception as e:  # the driver or a peer died: leave quietly, the driver reports it
         print(f"pagedserve tensor-parallel worker rank {rank}: {e}", file=sys.stderr)
         return 1

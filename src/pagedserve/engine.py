@@ -98,7 +98,7 @@ class LLMEngine:
         kv_allocator: "paged" or "contiguous" (the pre-paging ablation: max_model_len slots
             reserved per request).
         quantization: None (weights in ``dtype``) or "int4": the decoder's linear layers in
-            4-bit groups of 32 with bfloat16 matmul inputs (``pagedserve.model.quant``; about 2x
+            4-bit groups of 32 with bfloat16 matmul inputs (``pagedserve.model.quant``; about 1.7x
             faster decode on CPU, README "Speed").
         tensor_parallel_size: N > 1 shards the model over N processes (torch.distributed;
             ``pagedserve.distributed``): ranks 1..N-1 are started on this host, or, with
@@ -153,6 +153,7 @@ class LLMEngine:
         source = open_model(model)
         self.model_path = source.path
         self.model_config = cfg = source.config
+        check_tensor_parallel(cfg, tensor_parallel_size)  # before the tokenizer's seconds
         if skip_tokenizer_init:
             self.tokenizer = None
         elif tokenizer is not None:
@@ -167,7 +168,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of "
                              f"{model_limit} positions")
 
-        check_tensor_parallel(cfg, tensor_parallel_size)
         self.tensor_parallel_size = tensor_parallel_size
         tp = TPGroup(0, tensor_parallel_size)
         self.driver: Driver | None = None
@@ -400,6 +400,11 @@ class LLMEngine:
                 r.beam.done = True
             r.metrics.finished_time = time.time()
         self.scheduler.finish_requests(aborted)
+
+    def is_healthy(self) -> bool:
+        """False once a tensor-parallel worker died or the engine was shut down (noticed
+        within a second even while idle; the server's /health reports it)."""
+        return self.driver is None or (self.driver.dead is None and not self.driver._closed)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (no-op without them); the engine is unusable

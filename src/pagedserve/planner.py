@@ -272,8 +272,11 @@ def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
         raise ValueError(f"max_model_len_cap must be positive, got {max_model_len_cap}")
     base = make_plan(shape, memory_bytes, **kwargs)
     rows = [("baseline", base, base.concurrency_avg)]
-    if shape.num_kv_heads != shape.num_heads:
-        # the same weights: only the KV heads change, so the row isolates the KV lever
+    tp = kwargs.get("tensor_parallel_size", 1)
+    if shape.num_kv_heads != shape.num_heads and (shape.num_heads % tp == 0
+                                                  or tp % shape.num_heads == 0):
+        # the same weights: only the KV heads change, so the row isolates the KV lever (left
+        # out when that head count could not be split over tensor_parallel_size)
         mha = make_plan(replace(shape, num_kv_heads=shape.num_heads), memory_bytes,
                         **{**kwargs, "weight_bytes": base.weight_bytes_total})
         rows.append((f"without GQA ({shape.num_heads} KV heads, not {shape.num_kv_heads})",

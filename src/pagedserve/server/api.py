@@ -353,7 +353,7 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
     async def health():
         if not async_engine.is_healthy:
             return _error_response(APIError(503, f"the engine is not running: "
-                                                 f"{async_engine.error!r}"))
+                                                 f"{async_engine.failure}"))
         return Response(status_code=200)
 
     @app.get("/v1/models")

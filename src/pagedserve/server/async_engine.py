@@ -67,7 +67,17 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self._thread.is_alive() and self.engine.is_healthy()
+
+    @property
+    def failure(self) -> str:
+        """Why the engine is not healthy (for /health)."""
+        if self.error is not None:
+            return repr(self.error)
+        driver = getattr(self.engine, "driver", None)
+        if driver is not None and driver.dead:
+            return driver.dead
+        return "the engine thread stopped" if not self._thread.is_alive() else "shut down"
 
     # ---- the asyncio side ---------------------------------------------------------------------
 
