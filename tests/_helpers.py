@@ -34,6 +34,19 @@ def make_sequence(prompt: list[int], params=None, eos: int = 2, request_id: str 
     return seq
 
 
+def shared_prefix_workload(n: int = 20, min_tokens: int = 40):
+    """``n`` prompts of a 45-token shared prefix (11 full blocks of 4) plus a distinct tail,
+    with greedy outputs of ``min_tokens`` to ``min_tokens + 30`` tokens (ignore_eos)."""
+    from pagedserve import SamplingParams
+
+    prefix = [(31 * j + 7) % 300 + 3 for j in range(45)]
+    prompts = [{"prompt_token_ids": prefix + [(13 * i + 5 * j) % 300 + 3
+                                              for j in range(3 + i % 7)]} for i in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=min_tokens + (13 * i) % 31,
+                             ignore_eos=True) for i in range(n)]
+    return prompts, params
+
+
 def tiny_tokenizer():
     """A byte-level BPE tokenizer trained on a small corpus (multi-byte characters span
     several tokens), with <unk>=0, <s>=1, </s>=2 and a chat template."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import shared_prefix_workload
 
 from pagedserve.kv.quant import (
     FP8,
@@ -110,25 +111,13 @@ def _tokens(outs):
     return [c.token_ids for o in outs for c in o.outputs]
 
 
-def _shared_prefix_workload(n: int = 20):
-    """A 45-token shared prefix (11 full blocks of 4) plus a distinct tail, long outputs."""
-    from pagedserve import SamplingParams
-
-    prefix = [(31 * j + 7) % 300 + 3 for j in range(45)]
-    prompts = [{"prompt_token_ids": prefix + [(13 * i + 5 * j) % 300 + 3
-                                              for j in range(3 + i % 7)]} for i in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=40 + (13 * i) % 31, ignore_eos=True)
-              for i in range(n)]
-    return prompts, params
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_8bit_prefix_hits_and_swap_give_the_same_tokens(tiny_llama, kv_cache_dtype):
     """The same 8-bit mode with and without prefix-cache hits and preemption by swap: scales
     travel with their blocks (a swap that left them behind changes the tokens)."""
     from pagedserve import LLM
 
-    prompts, params = _shared_prefix_workload()
+    prompts, params = shared_prefix_workload()
     plain = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
                 enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     ref = _tokens(plain.generate(prompts, params, use_tqdm=False))

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import hf_greedy, load_hf, save_tiny_model, write_llama_gguf
+from _helpers import (
+    hf_greedy,
+    load_hf,
+    save_tiny_model,
+    shared_prefix_workload,
+    write_llama_gguf,
+)
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.quant import GROUP_SIZE, SMALL_ROWS, Int4Linear
@@ -110,11 +116,7 @@ def test_prefix_hits_and_preemption_keep_the_tokens(tiny_llama, monkeypatch, sma
     either matmul path forced. (Mixing the paths by batch size makes tokens batch-dependent
     like any reduced precision: the kernel's fp32 weights against the copy's bf16 ones.)"""
     monkeypatch.setattr("pagedserve.model.quant.SMALL_ROWS", small_rows)
-    prefix = [(31 * j + 7) % 300 + 3 for j in range(45)]
-    prompts = [{"prompt_token_ids": prefix + [(13 * i + 5 * j) % 300 + 3 for j in range(3 + i % 7)]}
-               for i in range(16)]
-    params = [SamplingParams(temperature=0, max_tokens=40 + (13 * i) % 31, ignore_eos=True)
-              for i in range(16)]
+    prompts, params = shared_prefix_workload(16)
     plain = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
                 enable_prefix_caching=False, quantization="int4")
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 import torch
-from _helpers import save_tiny_model
+from _helpers import save_tiny_model, shared_prefix_workload
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.distributed import TPGroup, WorkerDiedError, local_config, shard_weight
@@ -30,16 +30,6 @@ def tiny_4kv(tmp_path_factory) -> str:
 
 def _tokens(outs):
     return [c.token_ids for o in outs for c in o.outputs]
-
-
-def _workload(n: int = 12):
-    """A 45-token shared prefix plus distinct tails; long greedy outputs."""
-    prefix = [(31 * j + 7) % 300 + 3 for j in range(45)]
-    prompts = [{"prompt_token_ids": prefix + [(13 * i + 5 * j) % 300 + 3
-                                              for j in range(3 + i % 7)]} for i in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=30 + (13 * i) % 31, ignore_eos=True)
-              for i in range(n)]
-    return prompts, params
 
 
 def _alive(pid: int) -> bool:
@@ -87,7 +77,7 @@ def test_tp_size_must_divide_heads(tiny_4kv):
 
 
 def test_tp2_equals_tp1_with_prefix_caching_preemption_and_forks(tiny_4kv):
-    prompts, params = _workload()
+    prompts, params = shared_prefix_workload(12, 30)
     one = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4)
     ref = _tokens(one.generate(prompts, params, use_tqdm=False))
     fork = {"prompt_token_ids": [(7 * j + 3) % 300 + 3 for j in range(23)]}
@@ -115,7 +105,7 @@ def test_tp2_equals_tp1_with_prefix_caching_preemption_and_forks(tiny_4kv):
 def test_tp2_with_an_int8_cache_and_the_planner_bytes(tiny_4kv):
     from pagedserve import planner
 
-    prompts, params = _workload(6)
+    prompts, params = shared_prefix_workload(6, 30)
     one = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=512, block_size=4,
               kv_cache_dtype="int8")
     ref = _tokens(one.generate(prompts, params, use_tqdm=False))
@@ -230,8 +220,6 @@ def test_an_idle_engine_outlives_the_collective_timeout(tiny_4kv, monkeypatch):
 
 
 def test_a_worker_dying_while_idle_is_noticed_and_ctrl_c_stops_at_once(tiny_4kv):
-    import _thread
-
     llm = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
               tensor_parallel_size=2)
     os.kill(llm.llm_engine.driver.procs[0].pid, signal.SIGKILL)
@@ -239,17 +227,27 @@ def test_a_worker_dying_while_idle_is_noticed_and_ctrl_c_stops_at_once(tiny_4kv)
     assert not llm.llm_engine.is_healthy()  # the server's /health turns 503 on this
     llm.llm_engine.shutdown()
 
-    # KeyboardInterrupt mid-run leaves the ranks out of step: the workers are stopped at once
+    # Ctrl-C landing inside a step (after the broadcast, before rank 0's forward: the workers
+    # wait in an all-reduce) leaves the ranks out of step: the workers are stopped at once.
     llm = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=2048, block_size=4,
               tensor_parallel_size=2)
     worker = llm.llm_engine.driver.procs[0]
-    threading.Timer(1.0, _thread.interrupt_main).start()
+    local = llm.llm_engine.runner.runner
+    forward, calls = local.execute_model, []
+
+    def interrupted(inp):
+        calls.append(1)
+        if len(calls) == 20:
+            raise KeyboardInterrupt
+        return forward(inp)
+
+    local.execute_model = interrupted
     t0 = time.time()
     with pytest.raises(KeyboardInterrupt):
         llm.generate([{"prompt_token_ids": [5 + i, 6]} for i in range(4)],
                      SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
                      use_tqdm=False)
-    assert time.time() - t0 < 1.0 + 5 and not _alive(worker.pid)
+    assert time.time() - t0 < 5 and not _alive(worker.pid)
     with pytest.raises(WorkerDiedError, match="interrupted"):
         llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=2), use_tqdm=False)
     llm.llm_engine.abort_request(list(llm.llm_engine.requests))

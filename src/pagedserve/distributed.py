@@ -298,6 +298,11 @@ class Driver:
         self._last_send = time.monotonic()
         threading.Thread(target=self._heartbeat, daemon=True).start()
 
+    @property
+    def alive(self) -> bool:
+        """No worker died and the group is not shut down."""
+        return self.dead is None and not self._closed
+
     def check(self) -> None:
         if self.dead:
             raise WorkerDiedError(self.dead)

@@ -404,7 +404,7 @@ class LLMEngine:
     def is_healthy(self) -> bool:
         """False once a tensor-parallel worker died or the engine was shut down (noticed
         within a second even while idle; the server's /health reports it)."""
-        return self.driver is None or (self.driver.dead is None and not self.driver._closed)
+        return self.driver is None or self.driver.alive
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (no-op without them); the engine is unusable
