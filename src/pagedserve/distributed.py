@@ -37,11 +37,10 @@ from pagedserve.config import ModelConfig
 logger = logging.getLogger("pagedserve")
 
 
-
 def _timeout() -> datetime.timedelta:
     """How long a collective waits for a silent peer (PAGEDSERVE_TP_TIMEOUT seconds, default
     120; a dead local worker is noticed within a second regardless). Idle workers are pinged
-    every HEARTBEAT_S, so waiting for the next step never hits it."""
+    (Driver._heartbeat), so waiting for the next step never hits it."""
     return datetime.timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_TIMEOUT", 120)))
 
 
@@ -158,10 +157,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _threads_per_rank(world_size: int) -> int:
+    """This host's cores split between the ranks it runs."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _set_threads(world_size: int) -> None:
-    """Split this host's cores between the ranks it runs (unless OMP_NUM_THREADS says)."""
+    """Give this rank its share of the cores (unless OMP_NUM_THREADS says)."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(_threads_per_rank(world_size))
 
 
 class Driver:
@@ -190,7 +194,7 @@ class Driver:
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "WORLD_SIZE": str(world_size), "PAGEDSERVE_TP_PARENT": str(os.getpid())}
             if "OMP_NUM_THREADS" not in os.environ:
-                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+                env["OMP_NUM_THREADS"] = str(_threads_per_rank(world_size))
             for rank in range(1, world_size):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "pagedserve.cli", "worker"],
@@ -412,6 +416,3 @@ def worker_main() -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    sys.exit(worker_main())

@@ -45,7 +45,7 @@ from pagedserve.kv.quant import resolve_kv_cache_dtype
 from pagedserve.loader import open_model
 from pagedserve.model.layers import RotaryEmbedding
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.quant import QUANTIZATIONS, quantize_linear_layers
+from pagedserve.model.quant import check_quantization, quantize_linear_layers
 from pagedserve.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -142,11 +142,9 @@ class LLMEngine:
         if kv_allocator == "contiguous" and preemption_mode == "swap":
             raise ValueError("kv_allocator='contiguous' reserves max_model_len per request and "
                              "never preempts: preemption_mode='swap' does not apply")
-        if quantization is not None and quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {quantization!r}; choose None or "
-                             f"{', '.join(QUANTIZATIONS)}")
+        if quantization is not None:
+            check_quantization(quantization)
         self.kv_allocator = kv_allocator
-        self.quantization = quantization
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_spec = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -168,7 +166,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of "
                              f"{model_limit} positions")
 
-        self.tensor_parallel_size = tensor_parallel_size
         tp = TPGroup(0, tensor_parallel_size)
         self.driver: Driver | None = None
         if tensor_parallel_size > 1:  # workers start importing while rank 0 loads
@@ -202,14 +199,14 @@ class LLMEngine:
             num_swap_blocks = 0
             if preemption_mode == "swap":
                 num_swap_blocks = int(swap_space * 2**30) // (per_token * block_size)
-            shape = ShardOptions(str(source.path), str(self.dtype).removeprefix("torch."),
-                                 str(self.device), quantization, spec.name, num_kv_blocks,
-                                 block_size, num_swap_blocks, max_model_len)
+            options = ShardOptions(str(source.path), str(self.dtype).removeprefix("torch."),
+                                   str(self.device), quantization, spec.name, num_kv_blocks,
+                                   block_size, num_swap_blocks, max_model_len)
             if self.driver is not None:
-                self.driver.send(shape)
-                tp = device_group(tp, shape.device)
+                self.driver.send(options)
+                tp = device_group(tp, options.device)
                 net.set_tp(tp)
-            self.kv_cache = finish_shard(net, shape, tp)
+            self.kv_cache = finish_shard(net, options, tp)
             local_runner = ModelRunner(self.model, self.kv_cache, self.device)
             if self.driver is not None:
                 self.driver.wait_ready()
@@ -897,9 +894,8 @@ def finish_shard(net: LlamaForCausalLM, shard: ShardOptions, tp: TPGroup) -> KVC
 def build_worker(shard: ShardOptions, tp: TPGroup) -> ModelRunner:
     """A rank > 0's runner: its model shard and KV cache, on ``cuda:<rank>`` for CUDA."""
     device = resolve_device(shard.device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # worker_main has made it the current device
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
-        torch.cuda.set_device(device)
     net, _ = load_model(open_model(shard.model), resolve_dtype(shard.dtype, device), device,
                         shard.quantization, tp)
     return ModelRunner(net, finish_shard(net, shard, tp), device)

@@ -13,9 +13,9 @@ Q4_1), the projections read about 60 MB. Invariants:
   residual stream, norms, attention, KV cache, embedding and LM head keep the model's dtype.
 - Up to ``SMALL_ROWS`` rows (decode of a few sequences) run torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, for out_features divisible by 16), which reads the packed
-  weights; larger batches, other shapes and other devices multiply by a bfloat16 copy of the same dequantized weights, which is faster there.
-  The two paths differ by float rounding only, so tokens can depend on the batch size, as with
-  any reduced precision.
+  weights; larger batches, other shapes and other devices multiply by a bfloat16 copy of the
+  same dequantized weights, which is faster there. The two paths differ by float rounding
+  only, so tokens can depend on the batch size, as with any reduced precision.
 """
 
 from __future__ import annotations
@@ -24,10 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.planner import QUANTIZATIONS  # noqa: F401  (torch-free, for the CLI)
+from pagedserve.planner import QUANTIZATIONS  # torch-free, for the CLI
 
 GROUP_SIZE = 32
 SMALL_ROWS = 12  # measured crossover of the int4 kernel against bf16 F.linear (README Speed)
+
+
+def check_quantization(method: str) -> None:
+    """Raise ValueError unless ``method`` is one of QUANTIZATIONS."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r}; choose None or "
+                         f"{', '.join(QUANTIZATIONS)}")
 
 
 class Int4Linear(nn.Module):
@@ -80,9 +87,7 @@ def quantize_linear_layers(model: nn.Module, method: str) -> int:
 
     Raises ValueError for an unknown ``method``, or a layer with a bias (Qwen2's q|k|v).
     """
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {method!r}; choose None or "
-                         f"{', '.join(QUANTIZATIONS)}")
+    check_quantization(method)
     total = 0
     for name, module in list(model.layers.named_modules()):
         for child_name, child in list(module.named_children()):
