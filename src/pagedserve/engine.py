@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from pagedserve import kernels
 from pagedserve.beam_search import BeamSearchState
 from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
 from pagedserve.core.block_manager import BlockManager, ContiguousBlockManager, cdiv
@@ -879,6 +880,7 @@ def load_model(source, dtype: torch.dtype, device: torch.device, quantization: s
     if quantization is not None:
         weight_bytes = quantize_linear_layers(net, quantization)
     weight_bytes += sum(p.numel() * p.element_size() for p in net.parameters())
+    net.use_kernels(kernels.load() if device.type == "cpu" else None)
     return net.eval(), weight_bytes
 
 

@@ -21,7 +21,7 @@ class AttentionGroup:
     """A padded batch of ``num_seqs`` requests attended together.
 
     Shapes: ``block_ids`` [num_seqs * max_blocks] int64 (each row's block table, padded with
-    block 0); ``mask`` [num_seqs, 1, G * max_query_len, max_blocks * block_size] bool (for a
+    block 0); ``seq_lens`` [num_seqs] int64 (cached + new tokens); ``mask`` [num_seqs, 1, G * max_query_len, max_blocks * block_size] bool (for a
     decode group [num_seqs, 1, 1, ...], broadcast over the G rows); ``query_index``
     [num_seqs, max_query_len] int64 into the group's tokens and ``output_index``
     [num_tokens] int64 into the padded ``num_seqs * max_query_len`` rows, both None when every
@@ -33,6 +33,7 @@ class AttentionGroup:
     max_blocks: int
     max_query_len: int
     block_ids: torch.Tensor
+    seq_lens: torch.Tensor
     mask: torch.Tensor
     query_index: torch.Tensor | None
     output_index: torch.Tensor | None
@@ -78,7 +79,8 @@ def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[l
     max_query_len = max(query_lens)
     if max_query_len == 1:
         mask = (key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
-        return AttentionGroup(num_seqs, num_seqs, max_blocks, 1, block_ids, mask, None, None)
+        return AttentionGroup(num_seqs, num_seqs, max_blocks, 1, block_ids, seq_lens_t, mask,
+                              None, None)
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64, device=device)
     j = torch.arange(max_query_len, device=device)
     valid = j[None, :] < query_lens_t[:, None]  # [num_seqs, max_query_len]
@@ -90,5 +92,5 @@ def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[l
     starts = torch.cumsum(query_lens_t, 0) - query_lens_t
     query_index = torch.where(valid, starts[:, None] + j[None, :], 0)
     output_index = (torch.arange(num_seqs, device=device)[:, None] * max_query_len + j)[valid]
-    return AttentionGroup(num_seqs, sum(query_lens), max_blocks, max_query_len, block_ids, mask,
-                          query_index, output_index)
+    return AttentionGroup(num_seqs, sum(query_lens), max_blocks, max_query_len, block_ids,
+                          seq_lens_t, mask, query_index, output_index)

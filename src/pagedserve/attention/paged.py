@@ -91,3 +91,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
         outs.append(_attend_group(q[start:start + g.num_tokens], cache, g, md, scale))
         start += g.num_tokens
     return torch.cat(outs)
+
+
+def paged_attention_fused(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
+                          scale: float, ops, out_dtype: torch.dtype) -> torch.Tensor:
+    """Attention over a cache the new K/V are already in (``ops.rotary_write_kv`` wrote them):
+    decode groups run ``ops.paged_decode_attention``, which reads the blocks in place; prefill
+    groups the torch path above. q [num_tokens, num_heads, head_dim] float32 -> the same shape
+    of ``out_dtype``."""
+    outs, start = [], 0
+    for g in md.groups:
+        gq = q[start:start + g.num_tokens]
+        start += g.num_tokens
+        if g.query_index is None:
+            outs.append(ops.paged_decode_attention(
+                gq, cache.k, cache.v, g.block_ids.view(g.num_seqs, g.max_blocks), g.seq_lens,
+                scale, out_dtype))
+        else:
+            outs.append(_attend_group(gq, cache, g, md, scale).to(out_dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

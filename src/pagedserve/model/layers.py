@@ -2,6 +2,9 @@
 
 Projections are fused (q|k|v in one matmul, gate|up in another) to cut kernel launches and
 Python overhead per layer; weight loading splits the checkpoint's separate tensors into them.
+Each module has two forwards: ``forward`` in torch ops (the reference, every device and dtype),
+and ``forward_fused`` calling the fused CPU kernels of pagedserve.kernels (``ops``), which the
+model uses for a float32 model with an unquantized KV cache on the CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.paged import paged_attention
+from pagedserve.attention.paged import paged_attention, paged_attention_fused
 from pagedserve.config import ModelConfig
 from pagedserve.distributed import SINGLE, TPGroup
 from pagedserve.kv.cache import LayerKVCache
@@ -104,6 +107,12 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
+    def forward_fused(self, x: torch.Tensor, ops, act_dtype: torch.dtype) -> torch.Tensor:
+        """x [T, hidden] of ``act_dtype`` (what the projections take) -> [T, hidden] of
+        ``act_dtype`` (float32 under tensor parallelism, for the all-reduce)."""
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), act_dtype))
+        return self.tp.all_reduce(out.float()) if self.tp.world_size > 1 else out
+
 
 class Attention(nn.Module):
     """Multi-head attention with GQA/MQA over the paged KV cache; q|k|v fused (with bias for
@@ -134,3 +143,15 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, md, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+
+    def forward_fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      kv_cache: LayerKVCache, md: AttentionMetadata, ops,
+                      act_dtype: torch.dtype) -> torch.Tensor:
+        """As ``forward`` with the fused kernels: x [T, hidden] of ``act_dtype``; rope float32;
+        returns [T, hidden] of ``act_dtype`` (float32 under tensor parallelism)."""
+        qkv = self.qkv_proj(x)
+        q = ops.rotary_write_kv(qkv, rope[0], rope[1], kv_cache.k, kv_cache.v, md.slot_mapping,
+                                self.num_heads, self.num_kv_heads, torch.float32)
+        out = paged_attention_fused(q, kv_cache, md, self.scale, ops, act_dtype)
+        out = self.o_proj(out.view(x.shape[0], self.q_size))
+        return self.tp.all_reduce(out.float()) if self.tp.world_size > 1 else out

@@ -33,6 +33,16 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, residual, y, rope, kv_cache, md, ops, act_dtype):
+        """The same layer with the fused kernels, in vLLM's residual form: ``residual``
+        [T, hidden] float32 gets ``y`` (the previous layer's output, or None) added in place;
+        returns this layer's output, not yet added."""
+        eps = self.input_layernorm.eps
+        h = ops.add_rms_norm(residual, y, self.input_layernorm.weight, eps, act_dtype)
+        h = self.self_attn.forward_fused(h, rope, kv_cache, md, ops, act_dtype)
+        h = ops.add_rms_norm(residual, h, self.post_attention_layernorm.weight, eps, act_dtype)
+        return self.mlp.forward_fused(h, ops, act_dtype)
+
 
 class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head (tied to the embedding when the config says so).
@@ -40,7 +50,8 @@ class LlamaForCausalLM(nn.Module):
     ``config`` is the whole model's; under tensor parallelism (``tp``, see
     pagedserve.distributed) the layers hold this rank's heads and MLP columns, and the embedding
     and LM head this rank's vocabulary slice. ``rotary`` is set by the owner once max_model_len
-    is known (its cos/sin table covers it).
+    is known (its cos/sin table covers it). ``ops`` (see ``use_kernels``) selects the fused
+    CPU kernels; None runs the torch path.
     """
 
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
@@ -54,6 +65,8 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary: RotaryEmbedding | None = None
+        self.ops = None
+        self.act_dtype = torch.float32
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
@@ -62,6 +75,18 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "tp"):
                 module.tp = tp
+
+    def use_kernels(self, ops) -> bool:
+        """Run the fused CPU kernels ``ops`` (pagedserve.kernels.load()) from now on, or the
+        torch path for None. They serve only a float32 model on the CPU (other models keep the
+        torch path); the step must also have an unquantized KV cache. The projections take
+        ``act_dtype``: bfloat16 for int4 layers, else float32. Returns whether they are used."""
+        embed = self.embed_tokens.weight
+        usable = embed.dtype == torch.float32 and embed.device.type == "cpu"
+        self.ops = ops if usable else None
+        qkv = self.layers[0].self_attn.qkv_proj
+        self.act_dtype = torch.float32 if isinstance(qkv, nn.Linear) else torch.bfloat16
+        return self.ops is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]; a vocabulary-parallel lookup summed over the ranks."""
@@ -77,6 +102,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
+        if self.ops is not None and kv_caches[0].k_scale is None:
+            y = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                y = layer.forward_fused(x, y, rope, kv_cache, md, self.ops, self.act_dtype)
+            return self.ops.add_rms_norm(x, y, self.norm.weight, self.norm.eps, torch.float32)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, md)
         return self.norm(x)

@@ -1,0 +1,101 @@
+"""The fused CPU kernels (pagedserve/kernels) against the torch code they replace, op by op.
+Whole-model checks (kernels on = kernels off = transformers) are in test_hf_equivalence.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve import kernels
+from pagedserve.attention.metadata import build_group
+
+ops = kernels.load()
+# CI has g++ and ninja: the kernels must build there, so a silent fallback cannot hide a bug.
+pytestmark = pytest.mark.skipif(ops is None and kernels.os.environ.get(kernels.ENV) == "0",
+                                reason="PAGEDSERVE_CPU_KERNELS=0")
+
+
+def test_kernels_build():
+    assert ops is not None, "the CPU kernels did not build (see the log)"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("y_dtype", [None, torch.float32, torch.bfloat16])
+def test_add_rms_norm(out_dtype, y_dtype):
+    torch.manual_seed(0)
+    x = torch.randn(5, 576) * 3
+    w = torch.rand(576) + 0.5
+    y = None if y_dtype is None else torch.randn(5, 576).to(y_dtype)
+    expect_res = x if y is None else x + y.float()
+    expect = F.rms_norm(expect_res, (576,), w, 1e-5).to(out_dtype)
+    res = x.clone()
+    out = ops.add_rms_norm(res, y, w, 1e-5, out_dtype)
+    assert out.dtype == out_dtype
+    torch.testing.assert_close(res, expect_res)  # updated in place
+    torch.testing.assert_close(out, expect, rtol=1e-5 if out_dtype == torch.float32 else 1e-2,
+                               atol=1e-5 if out_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)])
+def test_silu_and_mul(dtypes):
+    in_dtype, out_dtype = dtypes
+    x = (torch.randn(7, 2 * 96) * 4).to(in_dtype)
+    gate, up = x.float().chunk(2, -1)
+    out = ops.silu_and_mul(x, out_dtype)
+    torch.testing.assert_close(out, (F.silu(gate) * up).to(out_dtype), rtol=1e-5, atol=1e-5)
+
+
+def _cache(num_blocks=12, block_size=4, kv_heads=2, head_dim=16, dtype=torch.float32):
+    torch.manual_seed(1)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv(in_dtype):
+    heads, kv_heads, d, t = 6, 2, 16, 5
+    k_cache, v_cache = _cache(kv_heads=kv_heads, head_dim=d)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(in_dtype)
+    angles = torch.rand(t, d // 2) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    slots = torch.tensor([3, 17, 0, 44, 20])
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    x = qkv.float().view(t, heads + 2 * kv_heads, d)
+    rot = x * cos[:, None] + x.roll(d // 2, dims=-1) * sin[:, None]
+    expect_k.view(-1, kv_heads, d)[slots] = rot[:, heads:heads + kv_heads]
+    expect_v.view(-1, kv_heads, d)[slots] = x[:, heads + kv_heads:]
+    q = ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads,
+                            torch.float32)
+    torch.testing.assert_close(q, rot[:, :heads])
+    torch.testing.assert_close(k_cache, expect_k)
+    torch.testing.assert_close(v_cache, expect_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots + 100, heads, kv_heads,
+                            torch.float32)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_dense(cache_dtype):
+    """Against the gather + masked SDPA of attention/paged.py's torch path, on scattered blocks
+    of different lengths (one ending mid-block, one a single token)."""
+    heads, kv_heads, d, bs = 6, 2, 16, 4
+    k_cache, v_cache = _cache(num_blocks=12, block_size=bs, kv_heads=kv_heads, head_dim=d,
+                              dtype=cache_dtype)
+    tables = [[7, 2, 9], [4], [11, 0, 5, 3, 1]]
+    seq_lens = [10, 1, 20]
+    g = build_group([1, 1, 1], seq_lens, tables, bs, heads // kv_heads, torch.device("cpu"))
+    q = torch.randn(3, heads, d)
+    k = k_cache.float()[g.block_ids].view(3, -1, kv_heads, d).transpose(1, 2)
+    v = v_cache.float()[g.block_ids].view(3, -1, kv_heads, d).transpose(1, 2)
+    expect = F.scaled_dot_product_attention(q.view(3, kv_heads, heads // kv_heads, d), k, v,
+                                            attn_mask=g.mask, scale=0.25).reshape(3, heads, d)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(3, -1), g.seq_lens,
+                                     0.25, torch.float32)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="seq_len outside"):
+        ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(3, -1),
+                                   g.seq_lens + 20, 0.25, torch.float32)
