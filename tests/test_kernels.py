@@ -99,3 +99,18 @@ def test_paged_decode_attention_matches_dense(cache_dtype):
     with pytest.raises(RuntimeError, match="seq_len outside"):
         ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(3, -1),
                                    g.seq_lens + 20, 0.25, torch.float32)
+
+
+def test_argmax_matches_torch():
+    torch.manual_seed(2)
+    x = torch.randn(9, 1000)
+    x[1, 7] = x[1, 900] = 50.0  # a tie: the first index
+    x[2, :] = -1e30
+    x[3, 5] = float("nan")  # a NaN wins (torch's rule), before or after the max
+    x[3, 600] = 99.0
+    x[4, 999] = float("nan")
+    x[5, 999] = 1e9  # the tail after the last full chunk
+    x[6, :] = float("-inf")
+    torch.testing.assert_close(ops.argmax(x), x.argmax(-1))
+    y = torch.randn(4, 5)  # narrower than one chunk
+    assert ops.argmax(y).tolist() == y.argmax(-1).tolist()

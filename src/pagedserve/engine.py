@@ -230,7 +230,7 @@ class LLMEngine:
             self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
                                               num_swap_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, preemption_mode)
-        self.sampler = Sampler()
+        self.sampler = Sampler(kernels.load() if self.device.type == "cpu" else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.requests: dict[str, Request] = {}

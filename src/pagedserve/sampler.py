@@ -146,7 +146,16 @@ def _filter(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks one token per row from logits [B, V] float32."""
+    """Picks one token per row from logits [B, V] float32. ``ops``: the fused CPU kernels
+    (pagedserve.kernels), whose argmax replaces torch's scalar one for CPU logits."""
+
+    def __init__(self, ops=None):
+        self.ops = ops
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.device.type == "cpu":
+            return self.ops.argmax(x)
+        return x.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
                  generator: torch.Generator) -> SamplerOutput:
@@ -157,14 +166,14 @@ class Sampler:
                 logits[row, ids] = float("-inf")
         if md.output_counts is not None:
             logits = apply_penalties(logits, md)
-        sampled = logits.argmax(dim=-1)
+        sampled = self._argmax(logits)
         if not md.all_greedy:
             probs = _filter(logits, md)
             q = torch.empty_like(probs).exponential_(generator=generator)
             for row, gen in md.generators.items():
                 q[row].exponential_(generator=gen)
             # q == 0 happens (float rounding); clamping keeps p = 0 rows at 0 instead of NaN.
-            random = probs.div_(q.clamp_min_(1e-10)).argmax(dim=-1)
+            random = self._argmax(probs.div_(q.clamp_min_(1e-10)))
             sampled = torch.where(md.greedy, sampled, random)
         out = SamplerOutput(token_ids=sampled.tolist())
         if raw_logprobs is not None:

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -62,6 +63,46 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 #endif
+}
+
+// scores[t] = q . (keys[t] + offset)[0 .. d) for t < n.
+inline void scores_of_row(const float* q, const float* const* keys, int64_t offset, int64_t n,
+                          int64_t d, float* scores) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {  // four dot products, then one 4-way horizontal sum
+    auto half_sum = [](__m512 v) {
+      return _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    };
+    for (; t + 4 <= n; t += 4) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[t] + offset + i), a0);
+        a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[t + 1] + offset + i), a1);
+        a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[t + 2] + offset + i), a2);
+        a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[t + 3] + offset + i), a3);
+      }
+      // hadd twice: [s0 s1 s2 s3] of the low and of the high 128 bits, then their sum
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a0), half_sum(a1)),
+                                      _mm256_hadd_ps(half_sum(a2), half_sum(a3)));
+      _mm_storeu_ps(scores + t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+  }
+#endif
+  for (; t < n; ++t) scores[t] = dot(q, keys[t] + offset, d);
+}
+
+inline float sum(const float* a, int64_t n) {
+  float acc[LANES] = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += a[i + l];
+  float s = 0.f;
+  for (int l = 0; l < LANES; ++l) s += acc[l];
+  for (; i < n; ++i) s += a[i];
+  return s;
 }
 
 // exp, branch-free so that loops over it vectorize (std::exp does not): x = n ln2 + r,
@@ -278,49 +319,110 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
       dispatch(out_dtype, "paged_decode_attention_out", [&](auto o_tag) {
         using O = decltype(o_tag);
         O* op = out.data_ptr<O>();
-        at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-          std::vector<float> qf(group * d), acc(group * d), row(d), scores;
+        // A work item is one sequence and a range of its KV heads: all of them when there are
+        // enough sequences to share the threads (each block is then read front to back, a
+        // token's KV heads side by side), one per item otherwise.
+        const int64_t split = batch >= 2 * at::get_num_threads() ? 1 : kv_heads;
+        const int64_t per_item = kv_heads / split;
+        at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> qf(per_item * group * d), acc(per_item * group * d), row(kv), scores;
+          std::vector<const float*> key_rows;
           for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = item / kv_heads, h = item % kv_heads, n = len[b];
+            const int64_t b = item / split, h0 = item % split * per_item, n = len[b];
+            const int64_t rows = per_item * group;  // query heads h0 * group ... of this item
             const int64_t* blocks = table + b * max_blocks;
-            for (int64_t g = 0; g < group; ++g) {
-              load(qp + (b * heads + h * group + g) * d, qf.data() + g * d, d);
-              for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= static_cast<float>(scale);
-            }
-            scores.assign(group * n, 0.f);
-            for (int64_t t = 0; t < n; ++t) {  // scores[g, t] = q_g . k_t
-              const float* k = as_float(kc + (blocks[t / block_size] * block_size + t % block_size) * kv + h * d, row.data(), d);
-              for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qf.data() + g * d, k, d);
-            }
-            std::vector<float> total(group, 0.f);
-            for (int64_t g = 0; g < group; ++g) {  // softmax over t
-              float* s = scores.data() + g * n;
-              const float m = *std::max_element(s, s + n);
-              float sum = 0.f;
-              for (int64_t t = 0; t < n; ++t) {
-                s[t] = fast_exp(s[t] - m);
-                sum += s[t];
+            load(qp + (b * heads + h0 * group) * d, qf.data(), rows * d);
+            for (int64_t i = 0; i < rows * d; ++i) qf[i] *= static_cast<float>(scale);
+            scores.resize(rows * n);
+            // token t's K/V of heads h0 ...: row t % block_size of block blocks[t / block_size]
+            // (walked block by block: no integer division per token)
+            auto for_each_row = [&](const C* cache, auto&& f) {
+              for (int64_t start = 0, j = 0; start < n; start += block_size, ++j) {
+                const C* base = cache + blocks[j] * block_size * kv + h0 * d;
+                for (int64_t t = start; t < std::min(n, start + block_size); ++t)
+                  f(t, as_float(base + (t - start) * kv, row.data(), per_item * d));
               }
-              total[g] = sum;
+            };
+            if constexpr (std::is_same_v<C, float>) {  // four keys per horizontal sum
+              key_rows.clear();
+              for_each_row(kc, [&](int64_t, const float* k) { key_rows.push_back(k); });
+              for (int64_t r = 0; r < rows; ++r)
+                scores_of_row(qf.data() + r * d, key_rows.data(), r / group * d, n, d,
+                              scores.data() + r * n);
+            } else {
+              for_each_row(kc, [&](int64_t t, const float* k) {  // scores[r, t] = q_r . k_t
+                for (int64_t r = 0; r < rows; ++r)
+                  scores[r * n + t] = dot(qf.data() + r * d, k + r / group * d, d);
+              });
+            }
+            std::vector<float> total(rows);
+            for (int64_t r = 0; r < rows; ++r) {  // softmax over t
+              float* sr = scores.data() + r * n;
+              const float m = *std::max_element(sr, sr + n);
+              for (int64_t t = 0; t < n; ++t) sr[t] = fast_exp(sr[t] - m);
+              total[r] = sum(sr, n);
             }
             std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t t = 0; t < n; ++t) {  // acc[g] = sum_t p[g, t] v_t
-              const float* v = as_float(vc + (blocks[t / block_size] * block_size + t % block_size) * kv + h * d, row.data(), d);
-              for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g * n + t];
-                float* a = acc.data() + g * d;
-                for (int64_t i = 0; i < d; ++i) a[i] += p * v[i];
+            for_each_row(vc, [&](int64_t t, const float* v) {  // acc[r] = sum_t p[r, t] v_t
+              for (int64_t r = 0; r < rows; ++r) {
+                const float p = scores[r * n + t];
+                const float* vr = v + r / group * d;
+                float* a = acc.data() + r * d;
+                for (int64_t i = 0; i < d; ++i) a[i] += p * vr[i];
               }
+            });
+            for (int64_t r = 0; r < rows; ++r) {
+              float* a = acc.data() + r * d;
+              for (int64_t i = 0; i < d; ++i) a[i] /= total[r];
             }
-            for (int64_t g = 0; g < group; ++g) {
-              float* a = acc.data() + g * d;
-              for (int64_t i = 0; i < d; ++i) a[i] /= total[g];
-              store(a, op + (b * heads + h * group + g) * d, d);
-            }
+            store(acc.data(), op + (b * heads + h0 * group) * d, rows * d);
           }
         });
       });
     });
+  });
+  return out;
+}
+
+// Index of the largest value of each row: x [N, V] float32 -> [N] int64, the first one on a
+// tie and the first NaN if a row has one (torch.argmax's rules). A vectorized max pass, then a
+// search for its first occurrence: torch's CPU argmax is scalar (about 1 ns per logit).
+Tensor argmax(const Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax: x must be a float32 [N, V] tensor with V > 0");
+  Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  Tensor out = at::empty({rows}, xc.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = xp + r * n;
+      float lanes[LANES];
+      int nan_lanes[LANES] = {};
+      std::fill(lanes, lanes + LANES, -INFINITY);
+      int64_t i = 0;
+      for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; ++l) {
+          lanes[l] = std::max(lanes[l], v[i + l]);  // NaN never replaces a value here
+          nan_lanes[l] |= v[i + l] != v[i + l];
+        }
+      float m = *std::max_element(lanes, lanes + LANES);
+      bool has_nan = *std::max_element(nan_lanes, nan_lanes + LANES);
+      for (; i < n; ++i) {
+        m = std::max(m, v[i]);
+        has_nan |= std::isnan(v[i]);
+      }
+      auto hit = [&](float value) { return has_nan ? std::isnan(value) : value == m; };
+      for (i = 0; i + LANES <= n; i += LANES) {  // the chunk holding the first hit
+        bool any = false;
+        for (int l = 0; l < LANES; ++l) any |= hit(v[i + l]);
+        if (any) break;
+      }
+      int64_t found = i;
+      while (found < n - 1 && !hit(v[found])) ++found;
+      op[r] = found;
+    }
   });
   return out;
 }
@@ -331,6 +433,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? y, Tensor weight, float eps, "
         "ScalarType out_dtype) -> Tensor");
   m.def("silu_and_mul(Tensor x, ScalarType out_dtype) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "ScalarType q_dtype) -> Tensor");
@@ -341,6 +444,7 @@ TORCH_LIBRARY(pagedserve, m) {
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax", &argmax);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }
