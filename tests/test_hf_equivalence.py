@@ -14,7 +14,7 @@ from _helpers import (
     write_llama_gguf,
 )
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, kernels
 
 # 8 prompts of different lengths (1 to 45 tokens), ids inside the 256-token vocabulary.
 PROMPTS = [[(7 * i + 13 * j + 3) % 250 + 3 for j in range(n)]
@@ -22,8 +22,15 @@ PROMPTS = [[(7 * i + 13 * j + 3) % 250 + 3 for j in range(n)]
 NEW_TOKENS = 12
 
 
-def run_engine(path, prompts, max_new_tokens=NEW_TOKENS, **kwargs):
+def run_engine(path, prompts, max_new_tokens=NEW_TOKENS, cpu_kernels=True, **kwargs):
+    """Greedy tokens of pagedserve; ``cpu_kernels=False`` runs the torch path (what other
+    devices, dtypes and quantized KV caches run) instead of the fused CPU kernels."""
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", **kwargs)
+    model = llm.llm_engine.runner.model
+    assert (model.ops is not None) == (kernels.load() is not None)
+    if not cpu_kernels:
+        model.use_kernels(None)
+        llm.llm_engine.sampler.ops = None
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
@@ -42,9 +49,20 @@ def references(tiny_llama, tiny_qwen2):
 @pytest.mark.parametrize("budget", [1, 7, 16, 64, 4096])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_matches_transformers(references, arch, budget, block_size):
+    check_greedy(references, arch, budget, block_size, cpu_kernels=True)
+
+
+@pytest.mark.parametrize("budget", [1, 7, 16, 64, 4096])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_torch_path_matches_transformers(references, arch, budget):
+    """The fallback of the fused CPU kernels, and what other devices run."""
+    check_greedy(references, arch, budget, 16, cpu_kernels=False)
+
+
+def check_greedy(references, arch, budget, block_size, cpu_kernels):
     path, ref, logits_fn = references[arch]
     llm, ours = run_engine(path, PROMPTS, block_size=block_size, max_num_batched_tokens=budget,
-                           num_kv_blocks=2048 // block_size)
+                           num_kv_blocks=2048 // block_size, cpu_kernels=cpu_kernels)
     for i, (o, r) in enumerate(zip(ours, ref)):
         assert_greedy_match(o, r, PROMPTS[i], logits_fn, f"{arch} prompt {i}")
     assert llm.kv_cache_stats().num_preemptions == 0

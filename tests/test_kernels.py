@@ -114,3 +114,21 @@ def test_argmax_matches_torch():
     torch.testing.assert_close(ops.argmax(x), x.argmax(-1))
     y = torch.randn(4, 5)  # narrower than one chunk
     assert ops.argmax(y).tolist() == y.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 17])
+def test_int8_linear_matches_dequantized_float(rows):
+    """Q8_0-layout weights (int8, one scale per 32 columns) against F.linear of the same
+    weights dequantized; rows past 8 take a second pass of the register tile."""
+    from pagedserve.model.quant import quantize_q8_0
+
+    torch.manual_seed(3)
+    w = torch.randn(200, 96)
+    q, scales = quantize_q8_0(w)
+    dense = (q.view(200, 3, 32).float() * scales[..., None]).view(200, 96)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(ops.int8_linear(x, q, scales), F.linear(x, dense),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="divisible by 32"):
+        ops.int8_linear(torch.randn(1, 40), torch.zeros(2, 40, dtype=torch.int8),
+                        torch.ones(2))

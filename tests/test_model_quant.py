@@ -17,7 +17,7 @@ from _helpers import (
 )
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.quant import GROUP_SIZE, SMALL_ROWS, Int4Linear
+from pagedserve.model.quant import GROUP_SIZE, SMALL_ROWS, Int4Linear, quantize_q8_0
 
 
 def _q4_1_weight(n=48, k=128, seed=0):
@@ -150,3 +150,20 @@ def test_generate_cli_takes_quantization(tiny_llama, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--quantization", "awq"])
     assert "invalid choice: 'awq'" in capsys.readouterr().err
+
+
+def test_q8_0_weights_are_repacked_exactly():
+    """The LM head's 8-bit copy: weights that came from a Q8_0 file (an fp16 scale per 32
+    columns times integers reaching +-127, as llama.cpp writes them) come back bit for bit;
+    others within half a step."""
+    torch.manual_seed(4)
+    d = (torch.rand(64, 4) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (64, 4, 32))
+    q[:, :, 0] = 127 * torch.where(torch.rand(64, 4) < 0.5, 1, -1)  # each group reaches 127
+    w = (q.float() * d[..., None]).view(64, 128)
+    q8, scales = quantize_q8_0(w)
+    assert torch.equal(q8.view(64, 4, 32).long(), q) and torch.equal(scales, d)
+    other = torch.randn(8, 64)
+    q8, scales = quantize_q8_0(other)
+    back = (q8.view(8, 2, 32).float() * scales[..., None]).view(8, 64)
+    assert ((back - other).abs() <= scales.repeat_interleave(32, 1) / 2 + 1e-7).all()

@@ -427,6 +427,60 @@ Tensor argmax(const Tensor& x) {
   return out;
 }
 
+// x [M, K] float32 @ W.T -> [M, N] float32, W [N, K] stored as int8 with one float32 scale per
+// group of 32 along K (W = q * scale; the layout of GGUF's Q8_0). For a few rows: each weight
+// row is dequantized once into a float buffer, then dotted with every x row, so the weights
+// are read once at a quarter of float32's bytes (decode reads the whole LM head every step).
+Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be float32 [M, K]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous() &&
+                  qweight.size(1) == x.size(1) && qweight.size(1) % 32 == 0,
+              "int8_linear: qweight must be contiguous int8 [N, K], K divisible by 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == qweight.numel() / 32,
+              "int8_linear: scales must be contiguous float32 [N, K / 32]");
+  Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = qweight.size(0), groups = k / 32;
+  Tensor out = at::empty({m, n}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)  // dequantized 16 weights at a time, in registers, for up to 8 x rows
+    for (int64_t r0 = 0; r0 < m; r0 += 8) {
+      const int64_t rm = std::min<int64_t>(8, m - r0);
+      for (int64_t row = begin; row < end; ++row) {
+        const int8_t* qr = q + row * k;
+        __m512 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          const __m512 s = _mm512_set1_ps(sc[row * groups + g]);
+          for (int64_t i = g * 32; i < g * 32 + 32; i += 16) {
+            const __m128i q16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i));
+            const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)), s);
+            for (int j = 0; j < rm; ++j)
+              acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + (r0 + j) * k + i), acc[j]);
+          }
+        }
+        for (int j = 0; j < rm; ++j) op[(r0 + j) * n + row] = _mm512_reduce_add_ps(acc[j]);
+      }
+    }
+#else
+    std::vector<float> w(k);
+    for (int64_t row = begin; row < end; ++row) {
+      const int8_t* qr = q + row * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = sc[row * groups + g];
+        for (int i = 0; i < 32; ++i) w[g * 32 + i] = s * static_cast<float>(qr[g * 32 + i]);
+      }
+      for (int64_t r = 0; r < m; ++r) op[r * n + row] = dot(xp + r * k, w.data(), k);
+    }
+#endif
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve, m) {
@@ -434,6 +488,7 @@ TORCH_LIBRARY(pagedserve, m) {
         "ScalarType out_dtype) -> Tensor");
   m.def("silu_and_mul(Tensor x, ScalarType out_dtype) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "ScalarType q_dtype) -> Tensor");
@@ -445,6 +500,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax", &argmax);
+  m.impl("int8_linear", &int8_linear);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }

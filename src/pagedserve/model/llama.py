@@ -18,6 +18,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import ModelConfig
 from pagedserve.distributed import SINGLE, TPGroup, local_config, shard_weight
 from pagedserve.kv.cache import LayerKVCache
+from pagedserve.model import quant
 from pagedserve.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
 
@@ -67,6 +68,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.ops = None
         self.act_dtype = torch.float32
+        # (int8 [vocab rows, hidden], float32 scales [vocab rows, hidden / 32]) for
+        # quantization="int4" (model/quant.py); None: the float LM head only
+        self.lm_head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
@@ -111,11 +115,20 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache, md)
         return self.norm(x)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab rows, hidden]: the LM head, or the embedding when they are tied."""
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallelism gathered
-        on rank 0; None on the other ranks)."""
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return self.tp.gather_vocab(F.linear(hidden, weight).float(), self.config.vocab_size)
+        on rank 0; None on the other ranks). With an 8-bit LM head and the CPU kernels, up to
+        SMALL_ROWS rows multiply the int8 copy (a quarter of the bytes), more the float one."""
+        if (self.lm_head_q8 is not None and self.ops is not None
+                and hidden.shape[0] <= quant.SMALL_ROWS):
+            logits = self.ops.int8_linear(hidden.float(), *self.lm_head_q8)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight()).float()
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy checkpoint tensors (transformers names) into the fused parameters.

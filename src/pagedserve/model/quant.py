@@ -11,6 +11,11 @@ Q4_1), the projections read about 60 MB. Invariants:
   for that rounding. Other sources are quantized (error <= scale / 2 per weight).
 - Matmul inputs are rounded to bfloat16 and the outputs come back in the model's dtype; the
   residual stream, norms, attention, KV cache, embedding and LM head keep the model's dtype.
+- The LM head (the largest matrix a decode step reads: 113 MB in float32) also gets an 8-bit
+  copy: int8 with a float32 scale per group of 32 (GGUF's Q8_0, the type of the default model's
+  own token_embd), used for up to ``SMALL_ROWS`` rows through the fused CPU kernel
+  ``int8_linear``; a Q8_0 source is re-packed exactly. The embedding lookup and larger batches
+  keep the float32 table.
 - Up to ``SMALL_ROWS`` rows (decode of a few sequences) run torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, for out_features divisible by 16), which reads the packed
   weights; larger batches, other shapes and other devices multiply by a bfloat16 copy of the
@@ -80,10 +85,25 @@ class Int4Linear(nn.Module):
                    for t in (self.packed, self.scales_and_zeros, self.dense) if t is not None)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scales [N, K / 32]) with weight ~= q * scale per
+    group of 32 (GGUF's Q8_0 rule: scale = max |w| / 127). Exact for weights that came from a
+    Q8_0 file (each group is then an fp16 scale times integers reaching +-127), else within
+    half a step. Raises ValueError when K is not a multiple of 32."""
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"8-bit groups need K divisible by {GROUP_SIZE}, got [{n}, {k}]")
+    w = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    scale = w.abs().amax(-1) / 127
+    q = (w / torch.where(scale == 0, 1.0, scale)[..., None]).round_().clamp_(-127, 127)
+    return q.to(torch.int8).view(n, k), scale.contiguous()
+
+
 def quantize_linear_layers(model: nn.Module, method: str) -> int:
     """Replace every bias-free nn.Linear inside ``model.layers`` (q|k|v, o, gate|up, down) by
-    an Int4Linear, in place; the embedding and LM head are left alone. Returns the bytes the
-    new layers hold.
+    an Int4Linear, in place, and give the model an 8-bit copy of its LM head
+    (``model.lm_head_q8``, see quantize_q8_0); the embedding table is left alone. Returns the
+    bytes the new tensors hold.
 
     Raises ValueError for an unknown ``method``, or a layer with a bias (Qwen2's q|k|v).
     """
@@ -98,4 +118,5 @@ def quantize_linear_layers(model: nn.Module, method: str) -> int:
                 new = Int4Linear(child.weight)
                 total += new.nbytes()
                 setattr(module, child_name, new)
-    return total
+    model.lm_head_q8 = quantize_q8_0(model.lm_head_weight())
+    return total + sum(t.numel() * t.element_size() for t in model.lm_head_q8)
