@@ -19,6 +19,7 @@ The build (about a minute on 2 cores, once per machine) is cached by torch in
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -29,6 +30,19 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 ENV = "PAGEDSERVE_CPU_KERNELS"
+
+
+def _build_name() -> str:
+    """The extension's name, unique to this CPU's instruction set: the build uses
+    ``-march=native``, and a cache directory shared by two machines must not hand one's
+    binary to the other."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return f"pagedserve_cpu_ops_{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
 @functools.cache
@@ -43,7 +57,7 @@ def load():
 
         flags = ["-O3", "-march=native", "-fopenmp"]
         logger.info("loading the CPU kernels (compiled once, about a minute)")
-        cpp_extension.load(name="pagedserve_cpu_ops", sources=[str(SOURCE)],
+        cpp_extension.load(name=_build_name(), sources=[str(SOURCE)],
                            extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the torch path still works

@@ -1,0 +1,69 @@
+"""The fused CPU kernels (pagedserve/kernels) against the torch path they replace, in one
+process: the same engine decodes with the kernels, then without (``model.use_kernels(None)``
+and the sampler's torch argmax), in interleaved rounds, best of ``--rounds``.
+
+For float32 and ``quantization="int4"``: decode tokens/s at 1, 32 and 64 sequences (64-token
+prompts, prefill excluded, as roofline.py), and the ratio.
+
+    python benchmarks/kernels.py
+    python benchmarks/kernels.py --quantization none --batches 1 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from roofline import decode_rate  # noqa: E402
+
+from pagedserve import LLM, kernels  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--quantization", nargs="+", default=["none", "int4"],
+                    choices=["none", "int4"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    ops = kernels.load()
+    if ops is None:
+        sys.exit("the CPU kernels are not available here (see the log)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| configuration | sequences | torch path tok/s | kernels tok/s | kernels / torch |")
+    print("|---|---:|---:|---:|---:|")
+    out = {}
+    for quantization in args.quantization:
+        llm = LLM(args.model, dtype="float32", kv_cache_memory=1 << 30,
+                  quantization=None if quantization == "none" else quantization)
+        engine = llm.llm_engine
+        model = engine.runner.model
+        rates: dict[str, dict[int, list[float]]] = {m: {b: [] for b in args.batches}
+                                                     for m in ("torch", "kernels")}
+        decode_rate(llm, 2, 64, 4)  # warm-up
+        for _ in range(args.rounds):
+            for mode in ("kernels", "torch"):
+                model.use_kernels(ops if mode == "kernels" else None)
+                engine.sampler.ops = ops if mode == "kernels" else None
+                for b in args.batches:
+                    rates[mode][b].append(
+                        decode_rate(llm, b, 64, 16 if b == 1 else 32)["tokens_per_s"])
+        name = "float32" if quantization == "none" else f"float32 + {quantization}"
+        out[name] = {}
+        for b in args.batches:
+            t, k = max(rates["torch"][b]), max(rates["kernels"][b])
+            out[name][b] = {"torch": t, "kernels": k, "rounds": {m: rates[m][b] for m in rates}}
+            print(f"| {name} | {b} | {t:.1f} | {k:.1f} | {k / t:.2f}x |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
