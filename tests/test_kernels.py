@@ -10,19 +10,29 @@ import torch.nn.functional as F
 from pagedserve import kernels
 from pagedserve.attention.metadata import build_group
 
-ops = kernels.load()
+NATIVE = kernels.load()
 # CI has g++ and ninja: the kernels must build there, so a silent fallback cannot hide a bug.
-pytestmark = pytest.mark.skipif(ops is None and kernels.os.environ.get(kernels.ENV) == "0",
+pytestmark = pytest.mark.skipif(NATIVE is None and kernels.os.environ.get(kernels.ENV) == "0",
                                 reason="PAGEDSERVE_CPU_KERNELS=0")
 
 
+@pytest.fixture(scope="module", params=["native", "portable"])
+def ops(request):
+    """The kernels as the engine loads them (AVX-512 here), and built without AVX-512, so the
+    portable loops beside the intrinsics are tested too."""
+    if request.param == "native":
+        return NATIVE
+    return kernels.build(kernels._build_name() + "_portable", "pagedserve_portable",
+                         ("-mno-avx512f",))
+
+
 def test_kernels_build():
-    assert ops is not None, "the CPU kernels did not build (see the log)"
+    assert NATIVE is not None, "the CPU kernels did not build (see the log)"
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("y_dtype", [None, torch.float32, torch.bfloat16])
-def test_add_rms_norm(out_dtype, y_dtype):
+def test_add_rms_norm(ops, out_dtype, y_dtype):
     torch.manual_seed(0)
     x = torch.randn(5, 576) * 3
     w = torch.rand(576) + 0.5
@@ -40,7 +50,7 @@ def test_add_rms_norm(out_dtype, y_dtype):
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32),
                                     (torch.bfloat16, torch.bfloat16),
                                     (torch.bfloat16, torch.float32)])
-def test_silu_and_mul(dtypes):
+def test_silu_and_mul(ops, dtypes):
     in_dtype, out_dtype = dtypes
     x = (torch.randn(7, 2 * 96) * 4).to(in_dtype)
     gate, up = x.float().chunk(2, -1)
@@ -55,7 +65,7 @@ def _cache(num_blocks=12, block_size=4, kv_heads=2, head_dim=16, dtype=torch.flo
 
 
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
-def test_rotary_write_kv(in_dtype):
+def test_rotary_write_kv(ops, in_dtype):
     heads, kv_heads, d, t = 6, 2, 16, 5
     k_cache, v_cache = _cache(kv_heads=kv_heads, head_dim=d)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(in_dtype)
@@ -79,7 +89,7 @@ def test_rotary_write_kv(in_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_dense(cache_dtype):
+def test_paged_decode_attention_matches_dense(ops, cache_dtype):
     """Against the gather + masked SDPA of attention/paged.py's torch path, on scattered blocks
     of different lengths (one ending mid-block, one a single token)."""
     heads, kv_heads, d, bs = 6, 2, 16, 4
@@ -101,7 +111,7 @@ def test_paged_decode_attention_matches_dense(cache_dtype):
                                    g.seq_lens + 20, 0.25, torch.float32)
 
 
-def test_argmax_matches_torch():
+def test_argmax_matches_torch(ops):
     torch.manual_seed(2)
     x = torch.randn(9, 1000)
     x[1, 7] = x[1, 900] = 50.0  # a tie: the first index
@@ -117,7 +127,7 @@ def test_argmax_matches_torch():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 17])
-def test_int8_linear_matches_dequantized_float(rows):
+def test_int8_linear_matches_dequantized_float(ops, rows):
     """Q8_0-layout weights (int8, one scale per 32 columns) against F.linear of the same
     weights dequantized; rows past 8 take a second pass of the register tile."""
     from pagedserve.model.quant import quantize_q8_0

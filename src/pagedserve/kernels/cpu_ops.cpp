@@ -1,10 +1,11 @@
 // Fused CPU kernels of the decoder's hot path (see kernels/__init__.py for when they are used).
 //
 // Each kernel replaces a chain of small torch ops whose per-op dispatch cost, not arithmetic,
-// dominated a decode step. All arithmetic is float32 whatever the storage dtype (float32,
-// bfloat16 or float16); every kernel has a torch reference in the model code and a test
-// comparing the two. Work is split over rows (tokens, or sequence x KV head) with
-// at::parallel_for, ATen's own thread pool.
+// dominated a decode step. All arithmetic is float32 whatever the storage dtype (float32 or
+// bfloat16); every kernel has a torch reference in the model code and a test comparing the
+// two. Work is split over rows (tokens, sequences, or sequence x KV head) with
+// at::parallel_for, ATen's own thread pool. Inner loops are written for the compiler to
+// vectorize; the few AVX-512 intrinsics have a portable fallback beside them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -483,7 +484,13 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
 
 }  // namespace
 
-TORCH_LIBRARY(pagedserve, m) {
+// The op namespace: torch.ops.pagedserve, or another one for a second build in the same
+// process (the test of the portable, non-AVX-512 build).
+#ifndef OPS_NAMESPACE
+#define OPS_NAMESPACE pagedserve
+#endif
+
+TORCH_LIBRARY(OPS_NAMESPACE, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? y, Tensor weight, float eps, "
         "ScalarType out_dtype) -> Tensor");
   m.def("silu_and_mul(Tensor x, ScalarType out_dtype) -> Tensor");
@@ -496,7 +503,7 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor seq_lens, float scale, ScalarType out_dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+TORCH_LIBRARY_IMPL(OPS_NAMESPACE, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax", &argmax);
