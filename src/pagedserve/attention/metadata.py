@@ -21,8 +21,9 @@ class AttentionGroup:
     """A padded batch of ``num_seqs`` requests attended together.
 
     Shapes: ``block_ids`` [num_seqs * max_blocks] int64 (each row's block table, padded with
-    block 0); ``seq_lens`` [num_seqs] int64 (cached + new tokens); ``mask`` [num_seqs, 1, G * max_query_len, max_blocks * block_size] bool (for a
-    decode group [num_seqs, 1, 1, ...], broadcast over the G rows); ``query_index``
+    block 0); ``seq_lens`` [num_seqs] int64 (cached + new tokens); ``mask`` [num_seqs, 1,
+    G * max_query_len, max_blocks * block_size] bool (for a decode group [num_seqs, 1, 1, ...],
+    broadcast over the G rows); ``query_index``
     [num_seqs, max_query_len] int64 into the group's tokens and ``output_index``
     [num_tokens] int64 into the padded ``num_seqs * max_query_len`` rows, both None when every
     query is one token long.

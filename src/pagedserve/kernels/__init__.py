@@ -1,10 +1,12 @@
 """Fused CPU kernels (cpu_ops.cpp), compiled on first use with torch.utils.cpp_extension.
 
 A float32 decode step on the CPU is dominated by the fixed cost of dispatching ~40 small torch
-ops per layer, not by arithmetic. Four kernels replace those chains: ``add_rms_norm`` (residual
+ops per layer, not by arithmetic. The kernels replace those chains: ``add_rms_norm`` (residual
 add + RMSNorm + cast for the next matmul), ``silu_and_mul``, ``rotary_write_kv`` (rotary
 embedding + the paged K/V write) and ``paged_decode_attention`` (decode attention reading K/V
-through the block tables, with no gather and no mask). Invariants:
+through the block tables, PagedAttention sec. 4.1, with no gather and no mask); and two more
+serve the LM head and the sampler: ``int8_linear`` (the int4 mode's Q8_0 LM head) and
+``argmax``. Invariants:
 
 - The torch code in model/ and attention/ stays the reference and the fallback: the kernels
   run only for CPU tensors of a float32 model with an unquantized KV cache, and a test compares

@@ -10,7 +10,7 @@ Q4_1), the projections read about 60 MB. Invariants:
   Q4_1 GGUF (``d * q + m``, which spans q = 0..15 in every group) is re-packed losslessly but
   for that rounding. Other sources are quantized (error <= scale / 2 per weight).
 - Matmul inputs are rounded to bfloat16 and the outputs come back in the model's dtype; the
-  residual stream, norms, attention, KV cache, embedding and LM head keep the model's dtype.
+  residual stream, norms, attention, KV cache and embedding keep the model's dtype.
 - The LM head (the largest matrix a decode step reads: 113 MB in float32) also gets an 8-bit
   copy: int8 with a float32 scale per group of 32 (GGUF's Q8_0, the type of the default model's
   own token_embd), used for up to ``SMALL_ROWS`` rows through the fused CPU kernel
