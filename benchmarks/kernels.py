@@ -24,18 +24,28 @@ from roofline import decode_rate  # noqa: E402
 from pagedserve import LLM, kernels  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--quantization", nargs="+", default=["none", "int4"],
                     choices=["none", "int4"])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", type=positive, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--rounds", type=positive, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ops = kernels.load()
     if ops is None:
-        sys.exit("the CPU kernels are not available here (see the log)")
+        print("the CPU kernels are not available here (PAGEDSERVE_CPU_KERNELS=0, or the build "
+              "failed: see the warning above)", file=sys.stderr)
+        return 1
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| configuration | sequences | torch path tok/s | kernels tok/s | kernels / torch |")
     print("|---|---:|---:|---:|---:|")
@@ -63,7 +73,8 @@ def main() -> None:
             print(f"| {name} | {b} | {t:.1f} | {k:.1f} | {k / t:.2f}x |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -142,3 +142,32 @@ def test_int8_linear_matches_dequantized_float(ops, rows):
     with pytest.raises(RuntimeError, match="divisible by 32"):
         ops.int8_linear(torch.randn(1, 40), torch.zeros(2, 40, dtype=torch.int8),
                         torch.ones(2))
+
+
+def test_a_stale_build_lock_is_removed():
+    """A build killed by SIGTERM leaves torch's lock file, on which every later build would wait
+    forever; one older than STALE_LOCK_SECONDS is removed before building."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    name = kernels._build_name()
+    lock = os.path.join(cpp_extension._get_build_directory(name, verbose=False), "lock")
+    open(lock, "w").close()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert kernels.build(name) is not None
+    assert not os.path.exists(lock)
+
+
+def test_no_compiler_falls_back_with_one_reason(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        kernels.build("pagedserve_never_built")
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load() is None
+        assert "no C++ compiler" in caplog.text and "running the torch path" in caplog.text
+    finally:
+        kernels.load.cache_clear()

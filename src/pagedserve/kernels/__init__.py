@@ -13,6 +13,8 @@ serve the LM head and the sampler: ``int8_linear`` (the int4 mode's Q8_0 LM head
   each kernel and whole-model greedy output with the torch path.
 - ``load()`` never raises: without a compiler, or with ``PAGEDSERVE_CPU_KERNELS=0``, it logs
   why once and returns None, and the model runs the torch path.
+- A build lock left by a killed build is removed after STALE_LOCK_SECONDS (torch would wait
+  on it forever).
 
 The build (about 20 s on 2 cores, once per machine) is cached by torch in
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); it needs g++ and ninja.
@@ -24,6 +26,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 ENV = "PAGEDSERVE_CPU_KERNELS"
+# torch's build lock is a bare file: a build killed by SIGTERM/SIGKILL leaves it behind and
+# every later build waits on it forever. One older than this is taken as stale and removed.
+STALE_LOCK_SECONDS = 300
 
 
 def _build_name() -> str:
@@ -51,9 +58,19 @@ def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...]
     """Compile (or load from torch's cache) cpu_ops.cpp as extension ``name`` with its ops
     registered under ``torch.ops.<namespace>``, which it returns. ``extra_flags`` go to g++
     after ``-O3 -march=native`` (the tests build a portable variant with ``-mno-avx512f``).
-    Raises what torch.utils.cpp_extension raises (no compiler, no ninja, a build error)."""
+    Raises RuntimeError when there is no C++ compiler or no ninja, and what
+    torch.utils.cpp_extension raises for a failed build."""
     from torch.utils import cpp_extension
 
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja not found (pip install ninja)")
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        logger.warning("removing the stale build lock %s (left by an interrupted build)", lock)
+        lock.unlink(missing_ok=True)
     flags = ["-O3", "-march=native", "-fopenmp", f"-DOPS_NAMESPACE={namespace}", *extra_flags]
     cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -67,10 +84,15 @@ def load():
     if os.environ.get(ENV, "1").lower() in ("0", "false", "no", "off"):
         logger.info("CPU kernels disabled by %s; running the torch path", ENV)
         return None
+    start = time.perf_counter()
     try:
-        logger.info("loading the CPU kernels (compiled once, about 20 s)")
-        return build(_build_name())
+        ops = build(_build_name())
     except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
-        logger.warning("CPU kernels unavailable (%s: %s); running the torch path",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        reason = (str(e).splitlines() or [""])[0]
+        logger.warning("CPU kernels unavailable (%s); running the torch path",
+                       reason if len(reason) <= 160 else reason[:160] + " ...")
         return None
+    if time.perf_counter() - start > 2:
+        logger.info("built the CPU kernels in %.0f s (cached for later runs)",
+                    time.perf_counter() - start)
+    return ops
