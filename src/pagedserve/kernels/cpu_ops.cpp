@@ -47,22 +47,30 @@ inline void store(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// The sum of term(i) for i < n, over LANES independent accumulators: without -ffast-math the
+// compiler may only vectorize a float reduction written this way.
+template <typename F>
+inline float lane_sum(int64_t n, F term) {
+  float acc[LANES] = {};
   int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += term(i + l);
+  float s = 0.f;
+  for (int l = 0; l < LANES; ++l) s += acc[l];
+  for (; i < n; ++i) s += term(i);
+  return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
 #if defined(__AVX512F__)  // one horizontal sum per dot instead of LANES scalar adds
+  int64_t i = 0;
   __m512 v = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
   float s = _mm512_reduce_add_ps(v);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 #else
-  float acc[LANES] = {};
-  for (; i + LANES <= n; i += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = 0.f;
-  for (int l = 0; l < LANES; ++l) s += acc[l];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  return lane_sum(n, [&](int64_t j) { return a[j] * b[j]; });
 #endif
 }
 
@@ -96,14 +104,7 @@ inline void scores_of_row(const float* q, const float* const* keys, int64_t offs
 }
 
 inline float sum(const float* a, int64_t n) {
-  float acc[LANES] = {};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] += a[i + l];
-  float s = 0.f;
-  for (int l = 0; l < LANES; ++l) s += acc[l];
-  for (; i < n; ++i) s += a[i];
-  return s;
+  return lane_sum(n, [&](int64_t i) { return a[i]; });
 }
 
 // exp, branch-free so that loops over it vectorize (std::exp does not): x = n ln2 + r,
@@ -157,6 +158,9 @@ Tensor add_rms_norm(Tensor residual, const std::optional<Tensor>& y, const Tenso
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "add_rms_norm: weight must be contiguous float32");
   const int64_t rows = residual.size(0), n = residual.size(1);
+  TORCH_CHECK(weight.numel() == n, "add_rms_norm: weight must have n elements");
+  TORCH_CHECK(!y.has_value() || y->sizes() == residual.sizes(),
+              "add_rms_norm: y must have the residual's shape");
   Tensor out = at::empty({rows, n}, residual.options().dtype(out_dtype));
   float* res = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
