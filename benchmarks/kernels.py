@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=positive, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        ap.error(f"--json: no directory for {args.json}")
     ops = kernels.load()
     if ops is None:
         print("the CPU kernels are not available here (PAGEDSERVE_CPU_KERNELS=0, or the build "

@@ -13,8 +13,8 @@ serve the LM head and the sampler: ``int8_linear`` (the int4 mode's Q8_0 LM head
   each kernel and whole-model greedy output with the torch path.
 - ``load()`` never raises: without a compiler, or with ``PAGEDSERVE_CPU_KERNELS=0``, it logs
   why once and returns None, and the model runs the torch path.
-- A build lock left by a killed build is removed after STALE_LOCK_SECONDS (torch would wait
-  on it forever).
+- A build lock left by a killed build is waited on, then removed once older than
+  STALE_LOCK_SECONDS (torch would wait on it forever).
 
 The build (about 20 s on 2 cores, once per machine) is cached by torch in
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); it needs g++ and ninja.
@@ -54,6 +54,27 @@ def _build_name() -> str:
     return f"pagedserve_cpu_ops_{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
+def _wait_for_build_lock(lock: Path) -> None:
+    """Wait while another process builds (it holds ``lock``); remove the lock once it is older
+    than STALE_LOCK_SECONDS, the mark of a killed build (torch itself would wait forever)."""
+    waited = False
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            logger.warning("removing the stale build lock %s (left by an interrupted build)",
+                           lock)
+            lock.unlink(missing_ok=True)
+            return
+        if not waited:
+            logger.info("waiting for another build of the CPU kernels (%s; removed as stale "
+                        "after %d s)", lock, STALE_LOCK_SECONDS)
+            waited = True
+        time.sleep(1)
+
+
 def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...] = ()):
     """Compile (or load from torch's cache) cpu_ops.cpp as extension ``name`` with its ops
     registered under ``torch.ops.<namespace>``, which it returns. ``extra_flags`` go to g++
@@ -67,10 +88,7 @@ def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...]
         raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja not found (pip install ninja)")
-    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-        logger.warning("removing the stale build lock %s (left by an interrupted build)", lock)
-        lock.unlink(missing_ok=True)
+    _wait_for_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
     flags = ["-O3", "-march=native", "-fopenmp", f"-DOPS_NAMESPACE={namespace}", *extra_flags]
     cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -81,9 +99,12 @@ def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...]
 def load():
     """``torch.ops.pagedserve`` with the CPU kernels registered, or None when they are disabled
     (``PAGEDSERVE_CPU_KERNELS=0``) or cannot be built (the reason is logged)."""
-    if os.environ.get(ENV, "1").lower() in ("0", "false", "no", "off"):
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
         logger.info("CPU kernels disabled by %s; running the torch path", ENV)
         return None
+    if value not in ("1", "true", "yes", "on"):
+        logger.warning("ignoring %s=%r (use 0 or 1); the CPU kernels stay on", ENV, value)
     start = time.perf_counter()
     try:
         ops = build(_build_name())
