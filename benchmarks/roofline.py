@@ -1,12 +1,13 @@
 """Decode against the machine's own limit: the dense matmul rate of this CPU on the model's
 shapes, and the engine's decode FLOP/s at several batch sizes as a share of it, in one run.
 
-Peak: ``torch.matmul`` of [M, K] x [K, N] in the chosen dtype for every weight shape of the
-model (fused q|k|v, o, fused gate|up, down, LM head) at M = 256 and 512 tokens, best of a few
-repeats; the peak is the best FLOP-weighted rate of one forward's matmuls (each shape counted
-once per layer, as the model runs them). Engine: B requests with short prompts decode
+Peak: [M, K] x [K, N] in the chosen dtype for every weight shape of the model (fused q|k|v, o,
+fused gate|up, down, LM head) at M = 256 and 512 tokens, best of a few repeats of
+``torch.matmul`` (MKL) and, where the engine uses it, of its own packed-weight kernel; the peak
+is the best FLOP-weighted rate of one forward's matmuls (each shape counted once per layer, as
+the model runs them). Engine: B requests with short prompts decode
 ``--decode-tokens`` tokens together (greedy, ignore_eos); the steps after everyone's prefill are
-timed; decode FLOP/s = model FLOPs per token x tokens/s, where model FLOPs per token =
+timed, best of ``--rounds``; decode FLOP/s = model FLOPs per token x tokens/s, where model FLOPs per token =
 2 x (the matmul weights' elements) + attention's 4 x context x num_heads x head_dim per layer.
 For each batch it also times the same matmuls alone at M = batch rows: the most a decode step
 of that batch could reach if attention, norms and the engine took no time.
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.model.layers import pack_linear_weight
 
 
 def weight_shapes(cfg) -> list[tuple[str, int, int, int]]:
@@ -38,46 +40,55 @@ def weight_shapes(cfg) -> list[tuple[str, int, int, int]]:
             ("lm_head", h, cfg.vocab_size, 1)]
 
 
-def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    """Best GFLOP/s of [m, k] @ [k, n] (the weight stored [n, k] and transposed, as
-    nn.Linear does)."""
+def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5,
+                ops=None) -> float:
+    """Best GFLOP/s of [m, k] @ [k, n], the weight stored [n, k] and transposed as nn.Linear
+    does (torch.matmul: MKL), or, with the CPU kernels ``ops`` and float32, the better of that
+    and ``ops.packed_linear`` on the packed weight, the engine's own matmul."""
     a = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
-    torch.matmul(a, w.t(), out=out)
+    calls = [lambda: torch.matmul(a, w.t(), out=out)]
+    if ops is not None and dtype == torch.float32:
+        packed = pack_linear_weight(w)
+        calls.append(lambda: ops.packed_linear(a, packed, None, n, out))
     iters = max(1, int(2e9 / (2 * m * k * n)))  # about 2 GFLOP per timing
     best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            torch.matmul(a, w.t(), out=out)
-        best = max(best, 2 * m * k * n * iters / (time.perf_counter() - t0))
+    for call in calls:
+        call()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            best = max(best, 2 * m * k * n * iters / (time.perf_counter() - t0))
     return best / 1e9
 
 
 def forward_matmul_rate(cfg, m: int, dtype: torch.dtype,
-                        linear_dtype: torch.dtype | None = None) -> float:
+                        linear_dtype: torch.dtype | None = None, ops=None) -> float:
     """FLOP-weighted GFLOP/s of one forward's matmuls at M = ``m`` rows: the ceiling of a
     decode step of ``m`` sequences if nothing but the matmuls took time."""
     flops = seconds = 0.0
     for name, k, n, times in weight_shapes(cfg):
-        rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype, 3)
+        rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype, 3,
+                           ops)
         flops += 2 * m * k * n * times
         seconds += 2 * m * k * n * times / (rate * 1e9)
     return flops / seconds / 1e9
 
 
-def machine_peak(cfg, dtype: torch.dtype, linear_dtype: torch.dtype | None = None
-                 ) -> tuple[float, dict]:
+def machine_peak(cfg, dtype: torch.dtype, linear_dtype: torch.dtype | None = None,
+                 ops=None) -> tuple[float, dict]:
     """Best FLOP-weighted matmul GFLOP/s of one forward; the decoder's linear layers run in
     ``linear_dtype`` (bfloat16 for quantization="int4": its batched path), the LM head in
-    ``dtype``."""
+    ``dtype``; each shape at the better of MKL and the engine's packed kernel (``ops``)."""
     shapes = weight_shapes(cfg)
     detail, best = {}, 0.0
     for m in (256, 512):
         flops = seconds = 0.0
         for name, k, n, times in shapes:
-            rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype)
+            rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype,
+                               ops=ops)
             detail[f"{name} M={m}"] = round(rate, 1)
             f = 2 * m * k * n * times
             flops += f
@@ -120,18 +131,23 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="decode rate: best of this many runs per batch (this VM is noisy)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=2 << 30,
               max_num_seqs=max(args.batches), max_num_batched_tokens=4096,
               quantization=args.quantization)
     cfg = llm.llm_engine.model_config
     dtype = llm.llm_engine.dtype
-    peak, detail = machine_peak(cfg, dtype, torch.bfloat16 if args.quantization else None)
+    ops = llm.llm_engine.model.ops  # the CPU kernels, when the engine runs them
+    peak, detail = machine_peak(cfg, dtype, torch.bfloat16 if args.quantization else None, ops)
     mode = str(dtype).removeprefix("torch.") + (" + bfloat16 linear" if args.quantization else "")
-    print(f"matmul peak ({mode}, {torch.get_num_threads()} "
-          f"threads, the model's shapes at 256-512 tokens): {peak:.1f} GFLOP/s")
+    print(f"matmul peak ({mode}, {torch.get_num_threads()} threads, the model's shapes at "
+          f"256-512 tokens, {'MKL or the packed kernel' if ops else 'MKL'}): {peak:.1f} GFLOP/s")
     print("  " + ", ".join(f"{k}: {v}" for k, v in detail.items()))
     decode_rate(llm, 2, args.prompt_len, 4)  # warm-up
     rows = []
@@ -140,9 +156,10 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     linear = torch.bfloat16 if args.quantization else None
     for b in args.batches:
-        r = decode_rate(llm, b, args.prompt_len, args.decode_tokens)
+        r = max((decode_rate(llm, b, args.prompt_len, args.decode_tokens)
+                 for _ in range(args.rounds)), key=lambda x: x["tokens_per_s"])
         gflops = r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9
-        ceiling = forward_matmul_rate(cfg, b, dtype, linear)
+        ceiling = forward_matmul_rate(cfg, b, dtype, linear, ops)
         row = {"batch": b, **r, "gflops": gflops, "share_of_peak": gflops / peak,
                "matmul_gflops_at_batch": ceiling}
         rows.append(row)

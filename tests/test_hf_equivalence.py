@@ -180,3 +180,37 @@ def test_delta_stream_sends_prompt_logprobs_once(tiny_llama):
         outs += engine.step()
     assert len(outs) == 4 and len(outs[0].prompt_logprobs) == len(PROMPTS[4])
     assert all(o.prompt_logprobs is None for o in outs[1:])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_weights_round_trip(tmp_path, tied):
+    """With the kernels the projections and the LM head are kept only in packed form (the
+    embedding lookup reads the packed head when tied); use_kernels(None) restores the exact
+    float weights, and the two paths give the same greedy tokens."""
+    import torch
+
+    from pagedserve.model.layers import PackedLinear
+
+    if kernels.load() is None:
+        pytest.skip("CPU kernels unavailable")
+    path = save_tiny_model(tmp_path / "m", tie_word_embeddings=tied)
+    llm, packed_tokens = run_engine(path, PROMPTS[:4])
+    model = llm.llm_engine.runner.model
+    hf = load_hf(path).state_dict()
+    attn = model.layers[1].self_attn
+    assert isinstance(attn.qkv_proj, PackedLinear) and model.lm_head_packed is not None
+    head = model.embed_tokens if tied else model.lm_head
+    assert head.weight.numel() == 0  # the float copy was dropped
+    model.use_kernels(None)
+    llm.llm_engine.sampler.ops = None
+    assert isinstance(attn.qkv_proj, torch.nn.Linear) and model.lm_head_packed is None
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([hf[f"model.layers.1.self_attn.{x}_proj.weight"]
+                                                        for x in "qkv"]))
+    assert torch.equal(model.embed_tokens.weight, hf["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head_weight(), hf["lm_head.weight"])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == packed_tokens
+    model.use_kernels(kernels.load())  # and back
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == packed_tokens

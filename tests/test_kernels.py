@@ -144,6 +144,43 @@ def test_int8_linear_matches_dequantized_float(ops, rows):
                         torch.ones(2))
 
 
+@pytest.mark.parametrize("shape", [(1, 96, 48), (3, 96, 100), (9, 40, 7), (17, 64, 145),
+                                   (600, 576, 50), (0, 96, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(ops, shape, bias):
+    """Panels of 48 columns (the last one padded: n = 7, 100, 145), rows in tiles of 8 with a
+    remainder, and 600 x 576 rows in two row blocks (over 1 MB of x)."""
+    from pagedserve.model.layers import pack_linear_weight, unpack_linear_weight
+
+    m, k, n = shape
+    torch.manual_seed(4)
+    w, x = torch.randn(n, k), torch.randn(m, k)
+    b = torch.randn(n) if bias else None
+    packed = pack_linear_weight(w)
+    assert packed.shape == (-(-n // 48), k, 48)
+    assert torch.equal(unpack_linear_weight(packed, n), w)
+    expect = F.linear(x, w, b)
+    torch.testing.assert_close(ops.packed_linear(x, packed, b, n), expect, rtol=1e-4, atol=1e-4)
+    buffer = torch.full((m * n + 5,), float("nan"))
+    out = ops.packed_linear(x, packed, b, n, buffer)  # written into the caller's buffer
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+    assert m == 0 or out.data_ptr() == buffer.data_ptr()
+
+
+def test_packed_linear_refuses_bad_shapes(ops):
+    from pagedserve.model.layers import pack_linear_weight
+
+    packed = pack_linear_weight(torch.randn(100, 32))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.packed_linear(torch.randn(2, 32), packed, None, 200)
+    with pytest.raises(RuntimeError, match="with x's K"):
+        ops.packed_linear(torch.randn(2, 31), packed, None, 100)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.packed_linear(torch.randn(2, 32), packed, torch.randn(99), 100)
+    with pytest.raises(RuntimeError, match="out_buffer"):
+        ops.packed_linear(torch.randn(2, 32), packed, None, 100, torch.empty(199))
+
+
 def test_a_stale_build_lock_is_removed():
     """A build killed by SIGTERM leaves torch's lock file, on which every later build would wait
     forever; one older than STALE_LOCK_SECONDS is removed before building."""

@@ -515,7 +515,9 @@ class LLMEngine:
             seqs.append(seq)
             index.append(i)
         smd = build_sampling_metadata(seqs, self.model_config.vocab_size, self.device)
-        out = self.sampler(logits[index], smd, self.generator)
+        if index != list(range(logits.shape[0])):  # a copy of [B, vocab] only if needed
+            logits = logits[index]
+        out = self.sampler(logits, smd, self.generator)
         now = time.time()
         self.num_generation_tokens += len(seqs)
         for j, (seq, token) in enumerate(zip(seqs, out.token_ids)):

@@ -137,7 +137,8 @@ class ModelRunner:
     def execute_model(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Block copies (swap out, swap in, copy-on-write), then the forward of ``inp``.
         Returns (logits of ``sample_rows``, logits of ``prompt_rows``), each None when there are
-        no such rows or on a tensor-parallel rank other than 0."""
+        no such rows or on a tensor-parallel rank other than 0. The first may live in a buffer
+        that the next call overwrites (LlamaForCausalLM.compute_logits's ``reuse``)."""
         if inp.blocks_to_swap_out:
             self.kv_cache.swap_out(inp.blocks_to_swap_out)
         if inp.blocks_to_swap_in:
@@ -159,9 +160,13 @@ class ModelRunner:
                             torch.tensor(inp.positions, dtype=torch.int64, device=dev),
                             self.kv_cache.layers, md)
         results = []
-        for rows in (inp.sample_rows, inp.prompt_rows):
-            index = torch.tensor(rows, dtype=torch.int64, device=dev)
-            results.append(self.model.compute_logits(hidden[index]) if rows else None)
+        for rows, reuse in ((inp.sample_rows, True), (inp.prompt_rows, False)):
+            if rows and rows != list(range(hidden.shape[0])):
+                hidden_rows = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
+            else:
+                hidden_rows = hidden
+            # the sampled rows' logits are consumed within the step: their buffer is reused
+            results.append(self.model.compute_logits(hidden_rows, reuse) if rows else None)
         return results[0], results[1]
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

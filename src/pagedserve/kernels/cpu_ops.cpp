@@ -486,6 +486,140 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
   return out;
 }
 
+// ---- packed_linear: float32 x @ W.T with W prepacked in column panels ----
+//
+// W [N, K] is stored as panels of PANEL output columns, [ceil(N / PANEL), K, PANEL] (the last
+// one zero-padded; model/layers.py packs it once at load). A register tile of up to TILE_ROWS
+// rows of x times one panel keeps 3 x TILE_ROWS accumulators in AVX-512 registers and streams
+// the panel contiguously (GotoBLAS's register blocking, Goto & van de Geijn 2008, without
+// packing x). Unlike a BLAS call it never re-packs the weight, which for the few rows of a
+// decode step is a large share of the work; the next panel is prefetched while this one runs.
+constexpr int PANEL = 48;
+constexpr int TILE_ROWS = 8;
+
+inline int64_t lines_of(int64_t bytes) { return (bytes + 63) / 64; }
+
+template <int MR>
+void linear_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+                 int64_t ldc, int cols, const float* bias, const char* pf, int64_t pf_lines) {
+#if defined(__AVX512F__)
+  __m512 acc[MR][3];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+    acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  const int64_t pf_per_k = pf_lines > 0 ? (pf_lines + k - 1) / k : 0;
+  const char* pf_end = pf + 64 * pf_lines;
+  for (int64_t i = 0; i < k; ++i) {
+    const __m512 b0 = _mm512_loadu_ps(panel + i * PANEL);
+    const __m512 b1 = _mm512_loadu_ps(panel + i * PANEL + 16);
+    const __m512 b2 = _mm512_loadu_ps(panel + i * PANEL + 32);
+    for (int64_t j = 0; j < pf_per_k && pf < pf_end; ++j, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + i]);
+      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(x, b2, acc[r][2]);
+    }
+  }
+  auto mask = [](int n) -> __mmask16 {
+    return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+  };
+  const __mmask16 m0 = mask(cols), m1 = mask(cols - 16), m2 = mask(cols - 32);
+  __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0, bias2 = bias0;
+  if (bias) {
+    bias0 = _mm512_maskz_loadu_ps(m0, bias);
+    bias1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+    bias2 = _mm512_maskz_loadu_ps(m2, bias + 32);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_add_ps(acc[r][0], bias0));
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_add_ps(acc[r][1], bias1));
+    _mm512_mask_storeu_ps(c + r * ldc + 32, m2, _mm512_add_ps(acc[r][2], bias2));
+  }
+#else  // the same tile in plain loops, which the compiler vectorizes along the panel
+  (void)pf;
+  (void)pf_lines;
+  float acc[MR][PANEL] = {};
+  for (int64_t i = 0; i < k; ++i)
+    for (int r = 0; r < MR; ++r) {
+      const float x = a[r * lda + i];
+      for (int j = 0; j < PANEL; ++j) acc[r][j] += x * panel[i * PANEL + j];
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < cols; ++j) c[r * ldc + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+#endif
+}
+
+// x [M, K] float32 -> [M, N] float32 = x @ W.T (+ bias [N]), written into out_buffer's first M * N
+// elements when given (the result is a view of it), W packed as [P, K, PANEL] with
+// P = ceil(N / PANEL). Work items are (block of rows, panel) pairs, split over threads; a row
+// block stays in L2 while the thread's panels stream past it.
+Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
+                     int64_t n, const std::optional<Tensor>& out_buffer) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) && packed.size(2) == PANEL,
+              "packed_linear: packed must be contiguous float32 [P, K, ", PANEL, "] with x's K");
+  TORCH_CHECK(n > (packed.size(0) - 1) * PANEL && n <= packed.size(0) * PANEL,
+              "packed_linear: n=", n, " does not fit ", packed.size(0), " panels");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                        bias->numel() == n),
+              "packed_linear: bias must be contiguous float32 [n]");
+  Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), panels = packed.size(0);
+  TORCH_CHECK(!out_buffer || (out_buffer->scalar_type() == at::kFloat && out_buffer->is_contiguous() &&
+                              out_buffer->numel() >= m * n),
+              "packed_linear: out_buffer must be contiguous float32 with at least M * n elements");
+  // a caller's buffer spares the page faults of a fresh allocation (large ones are mmap'ed)
+  Tensor out = out_buffer ? out_buffer->flatten().narrow(0, 0, m * n).view({m, n})
+                          : at::empty({m, n}, xc.options());
+  if (m == 0) return out;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // as few row blocks as keep each under ~1 MB (in L2 beside a panel), of equal size: every
+  // block streams the whole weight once
+  const int64_t blocks = std::max<int64_t>(1, (m * k * 4 + (1 << 20) - 1) >> 20);
+  const int64_t block_rows = ((m + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  const int64_t panel_size = k * PANEL;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t blk = item / panels, p = item % panels;
+      const int64_t r_begin = blk * block_rows, r_end = std::min(m, r_begin + block_rows);
+      const int64_t tiles = (r_end - r_begin + TILE_ROWS - 1) / TILE_ROWS;
+      const int cols = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
+      const float* panel = wp + p * panel_size;
+      // the tiles of this panel share the prefetch of the next item's panel
+      const bool prefetch = item + 1 < end;
+      const char* next = reinterpret_cast<const char*>(wp + ((item + 1) % panels) * panel_size);
+      const int64_t next_lines = lines_of(panel_size * 4), per_tile = (next_lines + tiles - 1) / tiles;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = r_begin + t * TILE_ROWS, rows = std::min<int64_t>(TILE_ROWS, r_end - r0);
+        const int64_t first = t * per_tile;
+        const int64_t pf_lines = prefetch ? std::max<int64_t>(0, std::min(per_tile, next_lines - first)) : 0;
+        const char* pf = next + 64 * first;
+        const float* a = xp + r0 * k;
+        float* c = op + r0 * n + p * PANEL;
+        const float* b = bp ? bp + p * PANEL : nullptr;
+        switch (rows) {
+          case 8: linear_tile<8>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 7: linear_tile<7>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 6: linear_tile<6>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 5: linear_tile<5>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 4: linear_tile<4>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 3: linear_tile<3>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 2: linear_tile<2>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          default: linear_tile<1>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // The op namespace: torch.ops.pagedserve, or another one for a second build in the same
@@ -500,6 +634,8 @@ TORCH_LIBRARY(OPS_NAMESPACE, m) {
   m.def("silu_and_mul(Tensor x, ScalarType out_dtype) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n, "
+        "Tensor(a!)? out_buffer=None) -> Tensor(a)");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "ScalarType q_dtype) -> Tensor");
@@ -512,6 +648,7 @@ TORCH_LIBRARY_IMPL(OPS_NAMESPACE, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax", &argmax);
   m.impl("int8_linear", &int8_linear);
+  m.impl("packed_linear", &packed_linear);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }

@@ -93,6 +93,51 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+PANEL = 48  # output columns per panel of a packed weight (PANEL in kernels/cpu_ops.cpp)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / PANEL), K, PANEL], same dtype: the weight as the column panels
+    that the ``packed_linear`` kernel streams (the last panel zero-padded)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_linear_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_linear_weight: [P, K, PANEL] -> [n, K] (contiguous)."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].contiguous()
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear for the CPU kernels: the weight is kept only in the packed layout of
+    pack_linear_weight, multiplied by ``ops.packed_linear`` (register-blocked, no per-call
+    re-pack of the weight as a BLAS call does). x [..., in_features] float32 ->
+    [..., out_features] float32. ``to_linear`` gives the plain module back."""
+
+    def __init__(self, linear: nn.Linear, ops):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(pack_linear_weight(linear.weight.detach()), requires_grad=False)
+        self.bias = linear.bias
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias,
+                                   self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def to_linear(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device="meta")
+        linear.weight = nn.Parameter(unpack_linear_weight(self.weight, self.out_features),
+                                     requires_grad=False)
+        linear.bias = self.bias
+        return linear
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP (Shazeer 2020): down(silu(gate(x)) * up(x)), gate|up fused. Under tensor
     parallelism ``intermediate_size`` is this rank's columns and the output is all-reduced."""

@@ -19,7 +19,21 @@ from pagedserve.config import ModelConfig
 from pagedserve.distributed import SINGLE, TPGroup, local_config, shard_weight
 from pagedserve.kv.cache import LayerKVCache
 from pagedserve.model import quant
-from pagedserve.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from pagedserve.model.layers import (
+    PANEL,
+    Attention,
+    GatedMLP,
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    pack_linear_weight,
+    unpack_linear_weight,
+)
+
+
+def empty_like_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A [0, cols] stand-in of ``weight``'s dtype and device for a dropped float copy."""
+    return weight.new_empty(0, weight.shape[1])
 
 
 class DecoderLayer(nn.Module):
@@ -61,6 +75,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         local = local_config(config, tp)
         self.vocab_start, vocab_rows = tp.vocab_shard(config.vocab_size)
+        self.vocab_rows = vocab_rows
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(local, tp)
                                     for _ in range(config.num_hidden_layers))
@@ -71,6 +86,10 @@ class LlamaForCausalLM(nn.Module):
         # (int8 [vocab rows, hidden], float32 scales [vocab rows, hidden / 32]) for
         # quantization="int4" (model/quant.py); None: the float LM head only
         self.lm_head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
+        # [vocab rows / PANEL, hidden, PANEL]: the LM head packed for the CPU kernels
+        # (use_kernels), which then replaces the float copy; None: the float copy
+        self.lm_head_packed: torch.Tensor | None = None
+        self._logits_buffer: torch.Tensor | None = None  # compute_logits(reuse=True)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
@@ -83,23 +102,64 @@ class LlamaForCausalLM(nn.Module):
     def use_kernels(self, ops) -> bool:
         """Run the fused CPU kernels ``ops`` (pagedserve.kernels.load()) from now on, or the
         torch path for None. They serve only a float32 model on the CPU (other models keep the
-        torch path); the step must also have an unquantized KV cache. The projections take
-        ``act_dtype``: bfloat16 for int4 layers, else float32. Returns whether they are used."""
+        torch path); the fused layer path also needs an unquantized KV cache. With ``ops`` the
+        float32 nn.Linear layers and the LM head (the embedding too when tied: the lookup reads
+        the packed rows) are kept only packed for ``ops.packed_linear``; None unpacks them.
+        The projections take ``act_dtype``: bfloat16 for int4 layers, else float32. Returns
+        whether the kernels are used."""
+        self._unpack()
         embed = self.embed_tokens.weight
-        usable = embed.dtype == torch.float32 and embed.device.type == "cpu"
+        usable = ops is not None and embed.dtype == torch.float32 and embed.device.type == "cpu"
         self.ops = ops if usable else None
         qkv = self.layers[0].self_attn.qkv_proj
         self.act_dtype = torch.float32 if isinstance(qkv, nn.Linear) else torch.bfloat16
+        if self.ops is not None:
+            self._pack(self.ops)
         return self.ops is not None
+
+    def _linear_slots(self):
+        """(module, attribute name) of every decoder projection."""
+        for layer in self.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in parent.named_children():
+                    if isinstance(child, (nn.Linear, PackedLinear)):
+                        yield parent, name
+
+    def _pack(self, ops) -> None:
+        for parent, name in self._linear_slots():
+            child = getattr(parent, name)
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+                setattr(parent, name, PackedLinear(child, ops))
+        self.lm_head_packed = pack_linear_weight(self.lm_head_weight().detach())
+        # the float copy is dropped: the packed one serves the LM head and the lookup
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        head.weight = nn.Parameter(empty_like_rows(head.weight), requires_grad=False)
+
+    def _unpack(self) -> None:
+        if self.lm_head_packed is None:
+            return
+        for parent, name in self._linear_slots():
+            child = getattr(parent, name)
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, child.to_linear())
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        head.weight = nn.Parameter(unpack_linear_weight(self.lm_head_packed, self.vocab_rows),
+                                   requires_grad=False)
+        self.lm_head_packed = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]; a vocabulary-parallel lookup summed over the ranks."""
         if self.tp.world_size == 1:
-            return self.embed_tokens(input_ids)
+            return self._embedding_rows(input_ids)
         ids = input_ids - self.vocab_start
-        inside = (ids >= 0) & (ids < self.embed_tokens.num_embeddings)
-        x = self.embed_tokens(torch.where(inside, ids, 0)) * inside[:, None]
+        inside = (ids >= 0) & (ids < self.vocab_rows)
+        x = self._embedding_rows(torch.where(inside, ids, 0)) * inside[:, None]
         return self.tp.all_reduce(x)
+
+    def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_packed is not None and self.config.tie_word_embeddings:
+            return self.lm_head_packed[ids // PANEL, :, ids % PANEL]
+        return self.embed_tokens(ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerKVCache], md: AttentionMetadata) -> torch.Tensor:
@@ -119,13 +179,25 @@ class LlamaForCausalLM(nn.Module):
         """[vocab rows, hidden]: the LM head, or the embedding when they are tied."""
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallelism gathered
         on rank 0; None on the other ranks). With an 8-bit LM head and the CPU kernels, up to
-        SMALL_ROWS rows multiply the int8 copy (a quarter of the bytes), more the float one."""
+        SMALL_ROWS rows multiply the int8 copy (a quarter of the bytes), more the float one.
+        ``reuse``: the packed LM head may write into a buffer the model keeps (a fresh
+        [256, 49152] tensor costs ~8 ms of page faults); the result is then valid only until
+        the next call with ``reuse``."""
         if (self.lm_head_q8 is not None and self.ops is not None
                 and hidden.shape[0] <= quant.SMALL_ROWS):
             logits = self.ops.int8_linear(hidden.float(), *self.lm_head_q8)
+        elif self.lm_head_packed is not None:
+            buffer = None
+            if reuse:
+                size = hidden.shape[0] * self.vocab_rows
+                if self._logits_buffer is None or self._logits_buffer.numel() < size:
+                    self._logits_buffer = hidden.new_empty(size, dtype=torch.float32)
+                buffer = self._logits_buffer
+            logits = self.ops.packed_linear(hidden.float(), self.lm_head_packed, None,
+                                            self.vocab_rows, buffer)
         else:
             logits = F.linear(hidden, self.lm_head_weight()).float()
         return self.tp.gather_vocab(logits, self.config.vocab_size)
