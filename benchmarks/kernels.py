@@ -1,9 +1,11 @@
 """The fused CPU kernels (pagedserve/kernels) against the torch path they replace, in one
-process: the same engine decodes with the kernels, then without (``model.use_kernels(None)``
-and the sampler's torch argmax), in interleaved rounds, best of ``--rounds``.
+process: the same engine decodes with the kernels and packed weights (what it runs), with the
+kernels but torch's (MKL's) matmuls (``use_kernels(ops, pack_weights=False)``), and without
+the kernels (``model.use_kernels(None)`` and the sampler's torch argmax), in interleaved
+rounds, best of ``--rounds``.
 
-For float32 and ``quantization="int4"``: decode tokens/s at 1, 32 and 64 sequences (64-token
-prompts, prefill excluded, as roofline.py), and the ratio.
+For float32 and ``quantization="int4"``: decode tokens/s at 1, 8, 32, 64 and 128 sequences
+(64-token prompts, prefill excluded, as roofline.py), and the ratios.
 
     python benchmarks/kernels.py
     python benchmarks/kernels.py --quantization none --batches 1 64
@@ -23,6 +25,8 @@ from roofline import decode_rate  # noqa: E402
 
 from pagedserve import LLM, kernels  # noqa: E402
 
+MODES = ("packed", "kernels", "torch")  # packed: what the engine runs
+
 
 def positive(text: str) -> int:
     value = int(text)
@@ -37,7 +41,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--quantization", nargs="+", default=["none", "int4"],
                     choices=["none", "int4"])
-    ap.add_argument("--batches", type=positive, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--batches", type=positive, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--rounds", type=positive, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -49,30 +53,33 @@ def main() -> int:
               "failed: see the warning above)", file=sys.stderr)
         return 1
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| configuration | sequences | torch path tok/s | kernels tok/s | kernels / torch |")
-    print("|---|---:|---:|---:|---:|")
+    print("| configuration | sequences | torch path tok/s | kernels, MKL matmuls | kernels + packed "
+          "| kernels / torch | packed / MKL matmuls |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     out = {}
     for quantization in args.quantization:
-        llm = LLM(args.model, dtype="float32", kv_cache_memory=1 << 30,
+        llm = LLM(args.model, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=256,
                   quantization=None if quantization == "none" else quantization)
         engine = llm.llm_engine
         model = engine.runner.model
         rates: dict[str, dict[int, list[float]]] = {m: {b: [] for b in args.batches}
-                                                     for m in ("torch", "kernels")}
+                                                     for m in MODES}
         decode_rate(llm, 2, 64, 4)  # warm-up
         for _ in range(args.rounds):
-            for mode in ("kernels", "torch"):
-                model.use_kernels(ops if mode == "kernels" else None)
-                engine.sampler.ops = ops if mode == "kernels" else None
+            for mode in MODES:
+                model.use_kernels(None if mode == "torch" else ops, mode == "packed")
+                engine.sampler.ops = None if mode == "torch" else ops
                 for b in args.batches:
                     rates[mode][b].append(
                         decode_rate(llm, b, 64, 16 if b == 1 else 32)["tokens_per_s"])
         name = "float32" if quantization == "none" else f"float32 + {quantization}"
         out[name] = {}
         for b in args.batches:
-            t, k = max(rates["torch"][b]), max(rates["kernels"][b])
-            out[name][b] = {"torch": t, "kernels": k, "rounds": {m: rates[m][b] for m in rates}}
-            print(f"| {name} | {b} | {t:.1f} | {k:.1f} | {k / t:.2f}x |", flush=True)
+            t, k, p = (max(rates[m][b]) for m in ("torch", "kernels", "packed"))
+            out[name][b] = {"torch": t, "kernels": k, "packed": p,
+                            "rounds": {m: rates[m][b] for m in rates}}
+            print(f"| {name} | {b} | {t:.1f} | {k:.1f} | {p:.1f} | {p / t:.2f}x | {p / k:.2f}x |",
+                  flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -99,21 +99,22 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "tp"):
                 module.tp = tp
 
-    def use_kernels(self, ops) -> bool:
+    def use_kernels(self, ops, pack_weights: bool = True) -> bool:
         """Run the fused CPU kernels ``ops`` (pagedserve.kernels.load()) from now on, or the
         torch path for None. They serve only a float32 model on the CPU (other models keep the
-        torch path); the fused layer path also needs an unquantized KV cache. With ``ops`` the
-        float32 nn.Linear layers and the LM head (the embedding too when tied: the lookup reads
-        the packed rows) are kept only packed for ``ops.packed_linear``; None unpacks them.
-        The projections take ``act_dtype``: bfloat16 for int4 layers, else float32. Returns
-        whether the kernels are used."""
+        torch path); the fused layer path also needs an unquantized KV cache. With ``ops`` and
+        ``pack_weights`` the float32 nn.Linear layers and the LM head (the embedding too when
+        tied: the lookup reads the packed rows) are kept only packed for ``ops.packed_linear``
+        (False keeps torch's matmuls, for benchmarks); None unpacks them. The projections take
+        ``act_dtype``: bfloat16 for int4 layers, else float32. Returns whether the kernels are
+        used."""
         self._unpack()
         embed = self.embed_tokens.weight
         usable = ops is not None and embed.dtype == torch.float32 and embed.device.type == "cpu"
         self.ops = ops if usable else None
         qkv = self.layers[0].self_attn.qkv_proj
         self.act_dtype = torch.float32 if isinstance(qkv, nn.Linear) else torch.bfloat16
-        if self.ops is not None:
+        if self.ops is not None and pack_weights:
             self._pack(self.ops)
         return self.ops is not None
 
