@@ -5,15 +5,19 @@ Peak: [M, K] x [K, N] in the chosen dtype for every weight shape of the model (f
 fused gate|up, down, LM head) at M = 256 and 512 tokens, best of a few repeats of
 ``torch.matmul`` (MKL) and, where the engine uses it, of its own packed-weight kernel; the peak
 is the best FLOP-weighted rate of one forward's matmuls (each shape counted once per layer, as
-the model runs them). Engine: B requests with short prompts decode
-``--decode-tokens`` tokens together (greedy, ignore_eos); the steps after everyone's prefill are
-timed, best of ``--rounds``; decode FLOP/s = model FLOPs per token x tokens/s, where model FLOPs per token =
-2 x (the matmul weights' elements) + attention's 4 x context x num_heads x head_dim per layer.
+the model runs them). Engine: B requests with short prompts decode ``--decode-tokens`` tokens
+together (greedy, ignore_eos); the steps after everyone's prefill are timed, best of
+``--rounds`` rounds over all batches. The peak is measured again before every decode run: the
+share uses the best peak of the whole run, and each round's share against the peak measured
+just before it is printed too. Decode FLOP/s = model FLOPs per token x tokens/s, where model
+FLOPs per token = 2 x (the matmul weights' elements) + attention's 4 x context x num_heads x
+head_dim per layer.
+
 For each batch it also times the same matmuls alone at M = batch rows: the most a decode step
 of that batch could reach if attention, norms and the engine took no time.
 
-    python benchmarks/roofline.py                    # bfloat16, batches 1 8 32 64 128 256
-    python benchmarks/roofline.py --dtype float32 --batches 1 64
+    python benchmarks/roofline.py                    # float32, batches 1 8 32 64 128 256
+    python benchmarks/roofline.py --quantization int4 --batches 1 64
 """
 
 from __future__ import annotations
@@ -40,28 +44,36 @@ def weight_shapes(cfg) -> list[tuple[str, int, int, int]]:
             ("lm_head", h, cfg.vocab_size, 1)]
 
 
-def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5,
-                ops=None) -> float:
+def matmul_rates(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5,
+                 ops=None) -> dict[str, float]:
     """Best GFLOP/s of [m, k] @ [k, n], the weight stored [n, k] and transposed as nn.Linear
-    does (torch.matmul: MKL), or, with the CPU kernels ``ops`` and float32, the better of that
-    and ``ops.packed_linear`` on the packed weight, the engine's own matmul."""
+    does: {"mkl": torch.matmul}, plus {"packed": ops.packed_linear on the packed weight, the
+    engine's own matmul} with the CPU kernels ``ops`` and float32."""
     a = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
-    calls = [lambda: torch.matmul(a, w.t(), out=out)]
+    calls = {"mkl": lambda: torch.matmul(a, w.t(), out=out)}
     if ops is not None and dtype == torch.float32:
         packed = pack_linear_weight(w)
-        calls.append(lambda: ops.packed_linear(a, packed, None, n, out))
+        calls["packed"] = lambda: ops.packed_linear(a, packed, None, n, out)
     iters = max(1, int(2e9 / (2 * m * k * n)))  # about 2 GFLOP per timing
-    best = 0.0
-    for call in calls:
+    rates = {}
+    for name, call in calls.items():
         call()
+        best = 0.0
         for _ in range(repeats):
             t0 = time.perf_counter()
             for _ in range(iters):
                 call()
             best = max(best, 2 * m * k * n * iters / (time.perf_counter() - t0))
-    return best / 1e9
+        rates[name] = best / 1e9
+    return rates
+
+
+def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5,
+                ops=None) -> float:
+    """The better rate of matmul_rates."""
+    return max(matmul_rates(m, k, n, dtype, repeats, ops).values())
 
 
 def forward_matmul_rate(cfg, m: int, dtype: torch.dtype,
@@ -87,9 +99,10 @@ def machine_peak(cfg, dtype: torch.dtype, linear_dtype: torch.dtype | None = Non
     for m in (256, 512):
         flops = seconds = 0.0
         for name, k, n, times in shapes:
-            rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype,
-                               ops=ops)
-            detail[f"{name} M={m}"] = round(rate, 1)
+            rates = matmul_rates(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype,
+                                 ops=ops)
+            rate = max(rates.values())
+            detail[f"{name} M={m}"] = {kind: round(r, 1) for kind, r in rates.items()}
             f = 2 * m * k * n * times
             flops += f
             seconds += f / (rate * 1e9)
@@ -131,8 +144,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="decode rate: best of this many runs per batch (this VM is noisy)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds over all batches; each batch's best counts (this VM is noisy)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     if args.rounds < 1:
@@ -144,32 +157,50 @@ def main() -> None:
     cfg = llm.llm_engine.model_config
     dtype = llm.llm_engine.dtype
     ops = llm.llm_engine.model.ops  # the CPU kernels, when the engine runs them
-    peak, detail = machine_peak(cfg, dtype, torch.bfloat16 if args.quantization else None, ops)
-    mode = str(dtype).removeprefix("torch.") + (" + bfloat16 linear" if args.quantization else "")
-    print(f"matmul peak ({mode}, {torch.get_num_threads()} threads, the model's shapes at "
-          f"256-512 tokens, {'MKL or the packed kernel' if ops else 'MKL'}): {peak:.1f} GFLOP/s")
-    print("  " + ", ".join(f"{k}: {v}" for k, v in detail.items()))
-    decode_rate(llm, 2, args.prompt_len, 4)  # warm-up
-    rows = []
-    print("\n| batch | step ms | tokens/s | GFLOP/s | share of peak | matmuls alone at M = batch "
-          "| their share of peak |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
     linear = torch.bfloat16 if args.quantization else None
+    mode = str(dtype).removeprefix("torch.") + (" + bfloat16 linear" if args.quantization else "")
+    decode_rate(llm, 2, args.prompt_len, 4)  # warm-up
+    # Rounds over all batches, the peak measured again (about 1 s) before every decode run:
+    # this VM's speed drifts by up to 30% within minutes, and a peak taken once at the start
+    # would compare decode with another moment's machine.
+    peaks, details, runs = [], [], {b: [] for b in args.batches}
+    for i in range(args.rounds):
+        for b in args.batches:
+            p, d = machine_peak(cfg, dtype, linear, ops)
+            peaks.append(p)
+            details.append(d)
+            r = decode_rate(llm, b, args.prompt_len, args.decode_tokens)
+            runs[b].append((r, p))
+            print(f"round {i + 1}, batch {b}: {r['tokens_per_s']:.1f} tok/s; peak just before: "
+                  f"{p:.1f} GFLOP/s", flush=True)
+    peak = max(peaks)
+    detail = details[peaks.index(peak)]
+    print(f"\nmatmul peak ({mode}, {torch.get_num_threads()} threads, the model's shapes at "
+          f"256-512 tokens, {'MKL or the packed kernel' if ops else 'MKL'}; the best of "
+          f"{len(peaks)} measurements, which ranged {min(peaks):.1f}-{peak:.1f}): "
+          f"{peak:.1f} GFLOP/s")
+    print("  " + ", ".join(f"{k}: " + " / ".join(f"{kind} {r}" for kind, r in v.items())
+                           for k, v in detail.items()))
+    rows = []
+    print("\n| batch | step ms | tokens/s | GFLOP/s | share of peak | each round against the peak "
+          "just before it | matmuls alone at M = batch | their share of peak |")
+    print("|---:|---:|---:|---:|---:|---|---:|---:|")
     for b in args.batches:
-        r = max((decode_rate(llm, b, args.prompt_len, args.decode_tokens)
-                 for _ in range(args.rounds)), key=lambda x: x["tokens_per_s"])
-        gflops = r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9
+        gflops_of = lambda r: r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9  # noqa: E731
+        r = max((r for r, _ in runs[b]), key=lambda x: x["tokens_per_s"])
+        gflops = gflops_of(r)
+        per_round = [gflops_of(r_i) / p_i for r_i, p_i in runs[b]]
         ceiling = forward_matmul_rate(cfg, b, dtype, linear, ops)
         row = {"batch": b, **r, "gflops": gflops, "share_of_peak": gflops / peak,
-               "matmul_gflops_at_batch": ceiling}
+               "share_per_round": per_round, "matmul_gflops_at_batch": ceiling}
         rows.append(row)
         print(f"| {b} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {gflops:.1f} | "
-              f"{100 * gflops / peak:.0f}% | {ceiling:.1f} | {100 * ceiling / peak:.0f}% |",
-              flush=True)
+              f"{100 * gflops / peak:.0f}% | {' / '.join(f'{100 * x:.0f}%' for x in per_round)} | "
+              f"{ceiling:.1f} | {100 * ceiling / peak:.0f}% |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": str(dtype),
                                                "quantization": args.quantization,
-                                               "peak_gflops": peak,
+                                               "peak_gflops": peak, "peaks": peaks,
                                                "peak_detail": detail, "rows": rows}, indent=1))
 
 

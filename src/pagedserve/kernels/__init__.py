@@ -4,13 +4,15 @@ A float32 decode step on the CPU is dominated by the fixed cost of dispatching ~
 ops per layer, not by arithmetic. The kernels replace those chains: ``add_rms_norm`` (residual
 add + RMSNorm + cast for the next matmul), ``silu_and_mul``, ``rotary_write_kv`` (rotary
 embedding + the paged K/V write) and ``paged_decode_attention`` (decode attention reading K/V
-through the block tables, PagedAttention sec. 4.1, with no gather and no mask); and two more
-serve the LM head and the sampler: ``int8_linear`` (the int4 mode's Q8_0 LM head) and
-``argmax``. Invariants:
+through the block tables, PagedAttention sec. 4.1, with no gather and no mask). The matmuls
+themselves go to ``packed_linear``: float32 weights prepacked once into 48-column panels
+(model/layers.py PackedLinear). At decode's few rows this beats MKL's sgemm, which packs the
+weight into its own layout inside every call (README, Speed). Two more serve the LM head and the sampler:
+``int8_linear`` (the int4 mode's Q8_0 LM head) and ``argmax``. Invariants:
 
 - The torch code in model/ and attention/ stays the reference and the fallback: the kernels
-  run only for CPU tensors of a float32 model with an unquantized KV cache, and a test compares
-  each kernel and whole-model greedy output with the torch path.
+  run only for CPU tensors of a float32 model (the fused layers also need an unquantized KV
+  cache), and a test compares each kernel and whole-model greedy output with the torch path.
 - ``load()`` never raises: without a compiler, or with ``PAGEDSERVE_CPU_KERNELS=0``, it logs
   why once and returns None, and the model runs the torch path.
 - A build lock left by a killed build is waited on, then removed once older than
