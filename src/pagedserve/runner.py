@@ -160,13 +160,10 @@ class ModelRunner:
                             torch.tensor(inp.positions, dtype=torch.int64, device=dev),
                             self.kv_cache.layers, md)
         results = []
+        # the sampled rows' logits are consumed within the step: their buffer is reused
         for rows, reuse in ((inp.sample_rows, True), (inp.prompt_rows, False)):
-            if rows and rows != list(range(hidden.shape[0])):
-                hidden_rows = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
-            else:
-                hidden_rows = hidden
-            # the sampled rows' logits are consumed within the step: their buffer is reused
-            results.append(self.model.compute_logits(hidden_rows, reuse) if rows else None)
+            index = torch.tensor(rows, dtype=torch.int64, device=dev)
+            results.append(self.model.compute_logits(hidden[index], reuse) if rows else None)
         return results[0], results[1]
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

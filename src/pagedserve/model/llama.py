@@ -31,11 +31,6 @@ from pagedserve.model.layers import (
 )
 
 
-def empty_like_rows(weight: torch.Tensor) -> torch.Tensor:
-    """A [0, cols] stand-in of ``weight``'s dtype and device for a dropped float copy."""
-    return weight.new_empty(0, weight.shape[1])
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
@@ -134,7 +129,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = pack_linear_weight(self.lm_head_weight().detach())
         # the float copy is dropped: the packed one serves the LM head and the lookup
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        head.weight = nn.Parameter(empty_like_rows(head.weight), requires_grad=False)
+        head.weight = nn.Parameter(head.weight.new_empty(0, head.weight.shape[1]),
+                                   requires_grad=False)
 
     def _unpack(self) -> None:
         if self.lm_head_packed is None:
@@ -177,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def lm_head_weight(self) -> torch.Tensor:
-        """[vocab rows, hidden]: the LM head, or the embedding when they are tied."""
+        """[vocab rows, hidden]: the LM head, or the embedding when they are tied ([0, hidden]
+        while the kernels keep it packed: see ``lm_head_packed``)."""
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
