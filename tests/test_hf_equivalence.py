@@ -214,3 +214,35 @@ def test_packed_weights_round_trip(tmp_path, tied):
     model.use_kernels(kernels.load())  # and back
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == packed_tokens
+    for bad in (-1, model.vocab_rows):  # the packed lookup checks bounds as nn.Embedding does
+        with pytest.raises(IndexError):
+            model.embed(torch.tensor([3, bad]))
+
+
+def test_a_failed_pack_is_undone(tiny_llama, monkeypatch):
+    """If packing stops half-way (here: the LM head), use_kernels(None) still unpacks the
+    layers already packed."""
+    import torch
+
+    from pagedserve.model import llama as llama_module
+
+    if kernels.load() is None:
+        pytest.skip("CPU kernels unavailable")
+    llm, tokens = run_engine(tiny_llama, PROMPTS[:2], cpu_kernels=False)
+    model = llm.llm_engine.runner.model
+    real_pack = llama_module.pack_linear_weight
+
+    def pack_fails_on_the_head(weight):
+        if weight.shape[0] == model.vocab_rows:
+            raise MemoryError("simulated")
+        return real_pack(weight)
+
+    monkeypatch.setattr(llama_module, "pack_linear_weight", pack_fails_on_the_head)
+    with pytest.raises(MemoryError):
+        model.use_kernels(kernels.load())
+    model.use_kernels(None)
+    assert all(type(m) is not llama_module.PackedLinear for m in model.modules())
+    assert all(isinstance(layer.mlp.down_proj, torch.nn.Linear) for layer in model.layers)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tokens

@@ -582,8 +582,9 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
   float* op = out.data_ptr<float>();
   // as few row blocks as keep each under ~1 MB (in L2 beside a panel), of equal size: every
   // block streams the whole weight once
-  const int64_t blocks = std::max<int64_t>(1, (m * k * 4 + (1 << 20) - 1) >> 20);
-  const int64_t block_rows = ((m + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  const int64_t wanted = std::max<int64_t>(1, (m * k * 4 + (1 << 20) - 1) >> 20);
+  const int64_t block_rows = ((m + wanted - 1) / wanted + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  const int64_t blocks = (m + block_rows - 1) / block_rows;  // rounding may leave fewer: none empty
   const int64_t panel_size = k * PANEL;
   at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {

@@ -133,16 +133,16 @@ class LlamaForCausalLM(nn.Module):
                                    requires_grad=False)
 
     def _unpack(self) -> None:
-        if self.lm_head_packed is None:
-            return
+        """Undo _pack, also a partial one (each part is checked on its own)."""
         for parent, name in self._linear_slots():
             child = getattr(parent, name)
             if isinstance(child, PackedLinear):
                 setattr(parent, name, child.to_linear())
-        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        head.weight = nn.Parameter(unpack_linear_weight(self.lm_head_packed, self.vocab_rows),
-                                   requires_grad=False)
-        self.lm_head_packed = None
+        if self.lm_head_packed is not None:
+            head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+            head.weight = nn.Parameter(unpack_linear_weight(self.lm_head_packed, self.vocab_rows),
+                                       requires_grad=False)
+            self.lm_head_packed = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]; a vocabulary-parallel lookup summed over the ranks."""
@@ -155,6 +155,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None and self.config.tie_word_embeddings:
+            # nn.Embedding's bounds check (the padded panel would read zeros, -1 would wrap)
+            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab_rows:
+                raise IndexError(f"token id out of range [0, {self.vocab_rows})")
             return self.lm_head_packed[ids // PANEL, :, ids % PANEL]
         return self.embed_tokens(ids)
 
