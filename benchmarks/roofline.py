@@ -185,8 +185,10 @@ def main() -> None:
     print("\n| batch | step ms | tokens/s | GFLOP/s | share of peak | each round against the peak "
           "just before it | matmuls alone at M = batch | their share of peak |")
     print("|---:|---:|---:|---:|---:|---|---:|---:|")
+    def gflops_of(r: dict) -> float:
+        return r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9
+
     for b in args.batches:
-        gflops_of = lambda r: r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9  # noqa: E731
         r = max((r for r, _ in runs[b]), key=lambda x: x["tokens_per_s"])
         gflops = gflops_of(r)
         per_round = [gflops_of(r_i) / p_i for r_i, p_i in runs[b]]

@@ -497,10 +497,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
 constexpr int PANEL = 48;
 constexpr int TILE_ROWS = 8;
 
-inline int64_t lines_of(int64_t bytes) { return (bytes + 63) / 64; }
-
 template <int MR>
-void linear_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+void linear_tile(const float* a, const float* panel, int64_t k, float* c,
                  int64_t ldc, int cols, const float* bias, const char* pf, int64_t pf_lines) {
 #if defined(__AVX512F__)
   __m512 acc[MR][3];
@@ -516,7 +514,7 @@ void linear_tile(const float* a, int64_t lda, const float* panel, int64_t k, flo
     for (int64_t j = 0; j < pf_per_k && pf < pf_end; ++j, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + i]);
+      const __m512 x = _mm512_set1_ps(a[r * k + i]);
       acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
       acc[r][2] = _mm512_fmadd_ps(x, b2, acc[r][2]);
@@ -544,7 +542,7 @@ void linear_tile(const float* a, int64_t lda, const float* panel, int64_t k, flo
   float acc[MR][PANEL] = {};
   for (int64_t i = 0; i < k; ++i)
     for (int r = 0; r < MR; ++r) {
-      const float x = a[r * lda + i];
+      const float x = a[r * k + i];
       for (int j = 0; j < PANEL; ++j) acc[r][j] += x * panel[i * PANEL + j];
     }
   for (int r = 0; r < MR; ++r)
@@ -596,7 +594,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
       // the tiles of this panel share the prefetch of the next item's panel
       const bool prefetch = item + 1 < end;
       const char* next = reinterpret_cast<const char*>(wp + ((item + 1) % panels) * panel_size);
-      const int64_t next_lines = lines_of(panel_size * 4), per_tile = (next_lines + tiles - 1) / tiles;
+      const int64_t next_lines = (panel_size * 4 + 63) / 64, per_tile = (next_lines + tiles - 1) / tiles;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t r0 = r_begin + t * TILE_ROWS, rows = std::min<int64_t>(TILE_ROWS, r_end - r0);
         const int64_t first = t * per_tile;
@@ -606,14 +604,14 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
         float* c = op + r0 * n + p * PANEL;
         const float* b = bp ? bp + p * PANEL : nullptr;
         switch (rows) {
-          case 8: linear_tile<8>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 7: linear_tile<7>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 6: linear_tile<6>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 5: linear_tile<5>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 4: linear_tile<4>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 3: linear_tile<3>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 2: linear_tile<2>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
-          default: linear_tile<1>(a, k, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 8: linear_tile<8>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 7: linear_tile<7>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 6: linear_tile<6>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 5: linear_tile<5>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 4: linear_tile<4>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 3: linear_tile<3>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          case 2: linear_tile<2>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          default: linear_tile<1>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
         }
       }
     }

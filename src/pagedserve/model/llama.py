@@ -156,7 +156,8 @@ class LlamaForCausalLM(nn.Module):
     def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None and self.config.tie_word_embeddings:
             # nn.Embedding's bounds check (the padded panel would read zeros, -1 would wrap)
-            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab_rows:
+            low, high = torch.aminmax(ids) if ids.numel() else (0, 0)
+            if not 0 <= int(low) <= int(high) < self.vocab_rows:
                 raise IndexError(f"token id out of range [0, {self.vocab_rows})")
             return self.lm_head_packed[ids // PANEL, :, ids % PANEL]
         return self.embed_tokens(ids)
