@@ -522,9 +522,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
         raise ValueError(f"pagedserve worker needs {', '.join(missing)} in the environment")
     from pagedserve.distributed import worker_main
 
-    code = worker_main()
-    if code:
-        raise SystemExit(code)
+    worker_main()  # ends the process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -375,9 +375,22 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def worker_main() -> int:
+def worker_main() -> NoReturn:
     """Rank > 0: join the group from the environment, build the shard the driver describes,
-    then run every step it broadcasts until it sends None."""
+    run every step it broadcasts until it sends None, then end the process (exit code 0; 1
+    when the build failed or the driver or a peer died).
+
+    The process ends with ``os._exit`` and without ``destroy_process_group``: the OS closes its
+    sockets as it would a killed worker's, which the driver tolerates. Tearing gloo down, or
+    torch's static objects at interpreter exit, aborted a worker now and then ("terminate
+    called without an active exception", SIGABRT) after a clean goodbye."""
+    code = _serve_steps()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve_steps() -> int:
     from pagedserve.engine import build_worker
 
     _die_with_parent()
@@ -412,7 +425,4 @@ def worker_main() -> int:
     except Exception as e:  # the driver or a peer died: leave quietly, the driver reports it
         print(f"pagedserve tensor-parallel worker rank {rank}: {e}", file=sys.stderr)
         return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
