@@ -199,6 +199,7 @@ def test_packed_weights_round_trip(tmp_path, tied):
     hf = load_hf(path).state_dict()
     attn = model.layers[1].self_attn
     assert isinstance(attn.qkv_proj, PackedLinear) and model.lm_head_packed is not None
+    assert model.layers[1].mlp.gate_up_proj.gated  # SwiGLU in the matmul's epilogue
     head = model.embed_tokens if tied else model.lm_head
     assert head.weight.numel() == 0  # the float copy was dropped
     model.use_kernels(None)
@@ -206,6 +207,8 @@ def test_packed_weights_round_trip(tmp_path, tied):
     assert isinstance(attn.qkv_proj, torch.nn.Linear) and model.lm_head_packed is None
     assert torch.equal(attn.qkv_proj.weight, torch.cat([hf[f"model.layers.1.self_attn.{x}_proj.weight"]
                                                         for x in "qkv"]))
+    assert torch.equal(model.layers[1].mlp.gate_up_proj.weight,
+                       torch.cat([hf[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")]))
     assert torch.equal(model.embed_tokens.weight, hf["model.embed_tokens.weight"])
     assert torch.equal(model.lm_head_weight(), hf["lm_head.weight"])
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -171,6 +171,32 @@ def test_packed_linear_matches_f_linear(ops, shape, bias):
     assert m == 0 or out.data_ptr() == buffer.data_ptr()
 
 
+@pytest.mark.parametrize("shape", [(1, 96, 24), (9, 40, 7), (17, 64, 100), (64, 576, 1536),
+                                   (600, 576, 30), (0, 32, 24)])
+def test_gated_packed_linear_is_swiglu(ops, shape):
+    """gated=True: silu(x @ gate.T) * (x @ up.T) from the tile's epilogue, 24 gate and 24 up
+    columns per panel (the last one padded: I = 7, 100, 30); bit for bit the unfused
+    packed_linear + silu_and_mul, and close to torch's SwiGLU."""
+    from pagedserve.model.layers import pack_gated_weight, pack_linear_weight, unpack_gated_weight
+
+    m, k, inter = shape
+    torch.manual_seed(5)
+    w, x = torch.randn(2 * inter, k), torch.randn(m, k)
+    packed = pack_gated_weight(w)
+    assert packed.shape == (-(-inter // 24), k, 48) and packed.is_contiguous()
+    assert torch.equal(unpack_gated_weight(packed, inter), w)
+    out = ops.packed_linear(x, packed, None, inter, None, True)
+    unfused = ops.silu_and_mul(ops.packed_linear(x, pack_linear_weight(w), None, 2 * inter),
+                               torch.float32)
+    assert torch.equal(out, unfused)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-4, atol=1e-4 * k ** 0.5)
+    with pytest.raises(RuntimeError, match="gated panels"):
+        ops.packed_linear(x, packed, None, packed.shape[0] * 24 + 1, None, True)
+    with pytest.raises(RuntimeError, match="no bias"):
+        ops.packed_linear(x, packed, torch.zeros(inter), inter, None, True)
+
+
 def test_packed_linear_refuses_bad_shapes(ops):
     from pagedserve.model.layers import pack_linear_weight
 

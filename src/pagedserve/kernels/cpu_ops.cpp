@@ -258,6 +258,13 @@ Tensor rotary_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
         using Q = decltype(q_tag);
         Q* qo = q.data_ptr<Q>();
         at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+          // The slots are scattered over the cache and cold: request all their lines first,
+          // so the misses overlap instead of stalling one token's stores at a time.
+          for (int64_t t = begin; t < end; ++t)
+            for (int64_t byte = 0; byte < kv * static_cast<int64_t>(sizeof(C)); byte += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(kc + slot[t] * kv) + byte, 1);
+              __builtin_prefetch(reinterpret_cast<const char*>(vc + slot[t] * kv) + byte, 1);
+            }
           std::vector<float> x(std::max(d, kv)), y(d);
           for (int64_t t = begin; t < end; ++t) {
             const float* c = cosc.data_ptr<float>() + t * d;
@@ -495,9 +502,25 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
 // packing x). Unlike a BLAS call it never re-packs the weight, which for the few rows of a
 // decode step is a large share of the work; the next panel is prefetched while this one runs.
 constexpr int PANEL = 48;
+constexpr int HALF_PANEL = PANEL / 2;
 constexpr int TILE_ROWS = 8;
 
+// The SwiGLU epilogue of a gated tile: acc [MR, PANEL] holds, per row, the gate columns in
+// its first half and the matching up columns in its second; c gets silu(gate) * up for the
+// first ``cols`` (<= HALF_PANEL) of them, the same arithmetic as silu_and_mul.
 template <int MR>
+inline void gated_store(const float (*acc)[PANEL], float* c, int64_t ldc, int cols) {
+  for (int r = 0; r < MR; ++r) {
+    float out[HALF_PANEL];
+    for (int j = 0; j < HALF_PANEL; ++j) {
+      const float g = acc[r][j];
+      out[j] = g / (1.f + fast_exp(-g)) * acc[r][HALF_PANEL + j];
+    }
+    std::copy(out, out + cols, c + r * ldc);
+  }
+}
+
+template <int MR, bool GATED>
 void linear_tile(const float* a, const float* panel, int64_t k, float* c,
                  int64_t ldc, int cols, const float* bias, const char* pf, int64_t pf_lines) {
 #if defined(__AVX512F__)
@@ -519,6 +542,16 @@ void linear_tile(const float* a, const float* panel, int64_t k, float* c,
       acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
       acc[r][2] = _mm512_fmadd_ps(x, b2, acc[r][2]);
     }
+  }
+  if constexpr (GATED) {
+    float buf[MR][PANEL];
+    for (int r = 0; r < MR; ++r) {
+      _mm512_storeu_ps(buf[r], acc[r][0]);
+      _mm512_storeu_ps(buf[r] + 16, acc[r][1]);
+      _mm512_storeu_ps(buf[r] + 32, acc[r][2]);
+    }
+    gated_store<MR>(buf, c, ldc, cols);
+    return;
   }
   auto mask = [](int n) -> __mmask16 {
     return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
@@ -545,6 +578,10 @@ void linear_tile(const float* a, const float* panel, int64_t k, float* c,
       const float x = a[r * k + i];
       for (int j = 0; j < PANEL; ++j) acc[r][j] += x * panel[i * PANEL + j];
     }
+  if constexpr (GATED) {
+    gated_store<MR>(acc, c, ldc, cols);
+    return;
+  }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < cols; ++j) c[r * ldc + j] = acc[r][j] + (bias ? bias[j] : 0.f);
 #endif
@@ -554,14 +591,20 @@ void linear_tile(const float* a, const float* panel, int64_t k, float* c,
 // elements when given (the result is a view of it), W packed as [P, K, PANEL] with
 // P = ceil(N / PANEL). Work items are (block of rows, panel) pairs, split over threads; a row
 // block stays in L2 while the thread's panels stream past it.
+// gated: W is a SwiGLU gate|up projection packed with HALF_PANEL gate columns and their up
+// columns per panel (P = ceil(n / HALF_PANEL)); the result is silu(x @ gate.T) * (x @ up.T),
+// [M, n], computed in the tile's epilogue (no [M, 2n] intermediate, no silu_and_mul pass).
 Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
-                     int64_t n, const std::optional<Tensor>& out_buffer) {
+                     int64_t n, const std::optional<Tensor>& out_buffer, bool gated) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be float32 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
                   packed.size(1) == x.size(1) && packed.size(2) == PANEL,
               "packed_linear: packed must be contiguous float32 [P, K, ", PANEL, "] with x's K");
-  TORCH_CHECK(n > (packed.size(0) - 1) * PANEL && n <= packed.size(0) * PANEL,
-              "packed_linear: n=", n, " does not fit ", packed.size(0), " panels");
+  const int64_t per_panel = gated ? HALF_PANEL : PANEL;  // output columns of one panel
+  TORCH_CHECK(n > (packed.size(0) - 1) * per_panel && n <= packed.size(0) * per_panel,
+              "packed_linear: n=", n, " does not fit ", packed.size(0),
+              gated ? " gated panels" : " panels");
+  TORCH_CHECK(!(gated && bias), "packed_linear: a gated projection takes no bias");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->numel() == n),
               "packed_linear: bias must be contiguous float32 [n]");
@@ -589,7 +632,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
       const int64_t blk = item / panels, p = item % panels;
       const int64_t r_begin = blk * block_rows, r_end = std::min(m, r_begin + block_rows);
       const int64_t tiles = (r_end - r_begin + TILE_ROWS - 1) / TILE_ROWS;
-      const int cols = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
+      const int cols = static_cast<int>(std::min<int64_t>(per_panel, n - p * per_panel));
       const float* panel = wp + p * panel_size;
       // the tiles of this panel share the prefetch of the next item's panel
       const bool prefetch = item + 1 < end;
@@ -601,18 +644,25 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
         const int64_t pf_lines = prefetch ? std::max<int64_t>(0, std::min(per_tile, next_lines - first)) : 0;
         const char* pf = next + 64 * first;
         const float* a = xp + r0 * k;
-        float* c = op + r0 * n + p * PANEL;
+        float* c = op + r0 * n + p * per_panel;
         const float* b = bp ? bp + p * PANEL : nullptr;
-        switch (rows) {
-          case 8: linear_tile<8>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 7: linear_tile<7>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 6: linear_tile<6>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 5: linear_tile<5>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 4: linear_tile<4>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 3: linear_tile<3>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-          case 2: linear_tile<2>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-          default: linear_tile<1>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
-        }
+        auto tile = [&](auto gated_tag) {
+          constexpr bool G = decltype(gated_tag)::value;
+          switch (rows) {
+            case 8: linear_tile<8, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+            case 7: linear_tile<7, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+            case 6: linear_tile<6, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+            case 5: linear_tile<5, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+            case 4: linear_tile<4, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+            case 3: linear_tile<3, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+            case 2: linear_tile<2, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+            default: linear_tile<1, G>(a, panel, k, c, n, cols, b, pf, pf_lines); break;
+          }
+        };
+        if (gated)
+          tile(std::true_type{});
+        else
+          tile(std::false_type{});
       }
     }
   });
@@ -634,7 +684,7 @@ TORCH_LIBRARY(OPS_NAMESPACE, m) {
   m.def("argmax(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n, "
-        "Tensor(a!)? out_buffer=None) -> Tensor(a)");
+        "Tensor(a!)? out_buffer=None, bool gated=False) -> Tensor(a)");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "ScalarType q_dtype) -> Tensor");

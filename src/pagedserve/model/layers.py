@@ -111,29 +111,58 @@ def unpack_linear_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].contiguous()
 
 
+def pack_gated_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU gate|up weight [2I, K] (gate rows first) -> [ceil(I / H), K, PANEL] with
+    H = PANEL // 2: each panel holds H gate columns then the H matching up columns (zero-padded
+    at the end), the layout of ``packed_linear(..., gated=True)``."""
+    inter, k = weight.shape[0] // 2, weight.shape[1]
+    half = PANEL // 2
+    panels = -(-inter // half)
+    padded = weight.new_zeros(2, panels * half, k)
+    padded[0, :inter], padded[1, :inter] = weight[:inter], weight[inter:]
+    return padded.view(2, panels, half, k).permute(1, 3, 0, 2).reshape(panels, k, PANEL).contiguous()
+
+
+def unpack_gated_weight(packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """The inverse of pack_gated_weight: -> [2 * inter, K] (contiguous)."""
+    panels, k = packed.shape[:2]
+    halves = packed.view(panels, k, 2, PANEL // 2).permute(2, 0, 3, 1).reshape(2, -1, k)
+    return halves[:, :inter].reshape(2 * inter, k).contiguous()
+
+
 class PackedLinear(nn.Module):
     """nn.Linear for the CPU kernels: the weight is kept only in the packed layout of
     pack_linear_weight, multiplied by ``ops.packed_linear`` (register-blocked, no per-call
     re-pack of the weight as a BLAS call does). x [..., in_features] float32 ->
-    [..., out_features] float32. ``to_linear`` gives the plain module back."""
+    [..., out_features] float32. ``to_linear`` gives the plain module back.
 
-    def __init__(self, linear: nn.Linear, ops):
+    gated=True (a SwiGLU gate|up projection without bias, ``out_features`` = 2I): the weight
+    is packed by pack_gated_weight and forward returns silu(gate) * up, [..., I], from the
+    matmul's epilogue."""
+
+    def __init__(self, linear: nn.Linear, ops, gated: bool = False):
         super().__init__()
+        if gated and (linear.bias is not None or linear.out_features % 2):
+            raise ValueError("a gated PackedLinear needs a gate|up projection without bias")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(pack_linear_weight(linear.weight.detach()), requires_grad=False)
+        self.gated = gated
+        pack = pack_gated_weight if gated else pack_linear_weight
+        self.weight = nn.Parameter(pack(linear.weight.detach()), requires_grad=False)
         self.bias = linear.bias
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ops.packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias,
-                                   self.out_features)
-        return y.view(*x.shape[:-1], self.out_features)
+        n = self.out_features // 2 if self.gated else self.out_features
+        y = self.ops.packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias, n,
+                                   None, self.gated)
+        return y.view(*x.shape[:-1], n)
 
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                            device="meta")
-        linear.weight = nn.Parameter(unpack_linear_weight(self.weight, self.out_features),
-                                     requires_grad=False)
+        weight = (unpack_gated_weight(self.weight, self.out_features // 2) if self.gated
+                  else unpack_linear_weight(self.weight, self.out_features))
+        linear.weight = nn.Parameter(weight, requires_grad=False)
         linear.bias = self.bias
         return linear
 
@@ -148,14 +177,21 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.tp = tp
 
+    def _gated(self) -> bool:
+        return getattr(self.gate_up_proj, "gated", False)  # SwiGLU in the matmul's epilogue
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gated():
+            return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
     def forward_fused(self, x: torch.Tensor, ops, act_dtype: torch.dtype) -> torch.Tensor:
         """x [T, hidden] of ``act_dtype`` (what the projections take) -> [T, hidden] of
         ``act_dtype`` (float32 under tensor parallelism, for the all-reduce)."""
-        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), act_dtype))
+        h = self.gate_up_proj(x) if self._gated() \
+            else ops.silu_and_mul(self.gate_up_proj(x), act_dtype)
+        out = self.down_proj(h)
         return self.tp.all_reduce(out.float()) if self.tp.world_size > 1 else out
 
 

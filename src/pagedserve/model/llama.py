@@ -125,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
         for parent, name in self._linear_slots():
             child = getattr(parent, name)
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child, ops))
+                gated = name == "gate_up_proj" and child.bias is None
+                setattr(parent, name, PackedLinear(child, ops, gated))
         self.lm_head_packed = pack_linear_weight(self.lm_head_weight().detach())
         # the float copy is dropped: the packed one serves the LM head and the lookup
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
