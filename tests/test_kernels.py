@@ -89,25 +89,30 @@ def test_rotary_write_kv(ops, in_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_dense(ops, cache_dtype):
+@pytest.mark.parametrize("d", [8, 16, 64, 160])
+@pytest.mark.parametrize("copies", [1, 4])
+def test_paged_decode_attention_matches_dense(ops, cache_dtype, d, copies):
     """Against the gather + masked SDPA of attention/paged.py's torch path, on scattered blocks
-    of different lengths (one ending mid-block, one a single token)."""
-    heads, kv_heads, d, bs = 6, 2, 16, 4
+    of different lengths (one ending mid-block, one a single token). head_dim 16 and 64 take
+    the register-accumulated value pass, 8 and 160 the plain one; 3 sequences are split per KV
+    head over the threads, 12 are whole items."""
+    heads, kv_heads, bs = 6, 2, 4
     k_cache, v_cache = _cache(num_blocks=12, block_size=bs, kv_heads=kv_heads, head_dim=d,
                               dtype=cache_dtype)
-    tables = [[7, 2, 9], [4], [11, 0, 5, 3, 1]]
-    seq_lens = [10, 1, 20]
-    g = build_group([1, 1, 1], seq_lens, tables, bs, heads // kv_heads, torch.device("cpu"))
-    q = torch.randn(3, heads, d)
-    k = k_cache.float()[g.block_ids].view(3, -1, kv_heads, d).transpose(1, 2)
-    v = v_cache.float()[g.block_ids].view(3, -1, kv_heads, d).transpose(1, 2)
-    expect = F.scaled_dot_product_attention(q.view(3, kv_heads, heads // kv_heads, d), k, v,
-                                            attn_mask=g.mask, scale=0.25).reshape(3, heads, d)
-    out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(3, -1), g.seq_lens,
+    tables = [[7, 2, 9], [4], [11, 0, 5, 3, 1]] * copies
+    seq_lens = [10, 1, 20] * copies
+    b = len(seq_lens)
+    g = build_group([1] * b, seq_lens, tables, bs, heads // kv_heads, torch.device("cpu"))
+    q = torch.randn(b, heads, d)
+    k = k_cache.float()[g.block_ids].view(b, -1, kv_heads, d).transpose(1, 2)
+    v = v_cache.float()[g.block_ids].view(b, -1, kv_heads, d).transpose(1, 2)
+    expect = F.scaled_dot_product_attention(q.view(b, kv_heads, heads // kv_heads, d), k, v,
+                                            attn_mask=g.mask, scale=0.25).reshape(b, heads, d)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1), g.seq_lens,
                                      0.25, torch.float32)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="seq_len outside"):
-        ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(3, -1),
+        ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1),
                                    g.seq_lens + 20, 0.25, torch.float32)
 
 

@@ -107,6 +107,38 @@ inline float sum(const float* a, int64_t n) {
   return lane_sum(n, [&](int64_t i) { return a[i]; });
 }
 
+// max of a[0 .. n), n >= 1, over LANES running maxima (std::max_element is one serial chain).
+inline float max_of(const float* a, int64_t n) {
+  float lanes[LANES];
+  std::fill(lanes, lanes + LANES, a[0]);
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) lanes[l] = std::max(lanes[l], a[i + l]);
+  float m = *std::max_element(lanes, lanes + LANES);
+  for (; i < n; ++i) m = std::max(m, a[i]);
+  return m;
+}
+
+// acc[0 .. d) += sum over t < n of p[t] * (rows[t] + offset)[0 .. d): the accumulator stays in
+// registers across the tokens (D16 = d / 16 vectors) instead of a load and store per token.
+template <int D16>
+inline void weighted_rows(const float* p, const float* const* rows, int64_t offset, int64_t n,
+                          float* acc) {
+#if defined(__AVX512F__)
+  __m512 a[D16];
+  for (int j = 0; j < D16; ++j) a[j] = _mm512_loadu_ps(acc + 16 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 w = _mm512_set1_ps(p[t]);
+    const float* v = rows[t] + offset;
+    for (int j = 0; j < D16; ++j) a[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * j), a[j]);
+  }
+  for (int j = 0; j < D16; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+#else
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < 16 * D16; ++i) acc[i] += p[t] * rows[t][offset + i];
+#endif
+}
+
 // exp, branch-free so that loops over it vectorize (std::exp does not): x = n ln2 + r,
 // |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error < 3e-7), 2^n put
 // straight into the exponent bits; x is clamped to [-87, 88], inside float's normal range.
@@ -338,7 +370,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
         const int64_t per_item = kv_heads / split;
         at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
           std::vector<float> qf(per_item * group * d), acc(per_item * group * d), row(kv), scores;
-          std::vector<const float*> key_rows;
+          std::vector<const float*> cache_rows;
           for (int64_t item = begin; item < end; ++item) {
             const int64_t b = item / split, h0 = item % split * per_item, n = len[b];
             const int64_t rows = per_item * group;  // query heads h0 * group ... of this item
@@ -356,10 +388,10 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
               }
             };
             if constexpr (std::is_same_v<C, float>) {  // four keys per horizontal sum
-              key_rows.clear();
-              for_each_row(kc, [&](int64_t, const float* k) { key_rows.push_back(k); });
+              cache_rows.clear();
+              for_each_row(kc, [&](int64_t, const float* k) { cache_rows.push_back(k); });
               for (int64_t r = 0; r < rows; ++r)
-                scores_of_row(qf.data() + r * d, key_rows.data(), r / group * d, n, d,
+                scores_of_row(qf.data() + r * d, cache_rows.data(), r / group * d, n, d,
                               scores.data() + r * n);
             } else {
               for_each_row(kc, [&](int64_t t, const float* k) {  // scores[r, t] = q_r . k_t
@@ -370,19 +402,43 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
             std::vector<float> total(rows);
             for (int64_t r = 0; r < rows; ++r) {  // softmax over t
               float* sr = scores.data() + r * n;
-              const float m = *std::max_element(sr, sr + n);
+              const float m = max_of(sr, n);
               for (int64_t t = 0; t < n; ++t) sr[t] = fast_exp(sr[t] - m);
               total[r] = sum(sr, n);
             }
             std::fill(acc.begin(), acc.end(), 0.f);
-            for_each_row(vc, [&](int64_t t, const float* v) {  // acc[r] = sum_t p[r, t] v_t
+            // acc[r] = sum_t p[r, t] v_t
+            bool in_registers = false;  // float32 rows read in place, d a multiple of 16
+            if constexpr (std::is_same_v<C, float>) in_registers = d % 16 == 0 && d <= 128;
+            if (in_registers) {
+              cache_rows.clear();
+              for_each_row(vc, [&](int64_t, const float* v) { cache_rows.push_back(v); });
               for (int64_t r = 0; r < rows; ++r) {
-                const float p = scores[r * n + t];
-                const float* vr = v + r / group * d;
+                const float* p = scores.data() + r * n;
                 float* a = acc.data() + r * d;
-                for (int64_t i = 0; i < d; ++i) a[i] += p * vr[i];
+                const float* const* vr = cache_rows.data();
+                const int64_t off = r / group * d;
+                switch (d / 16) {
+                  case 1: weighted_rows<1>(p, vr, off, n, a); break;
+                  case 2: weighted_rows<2>(p, vr, off, n, a); break;
+                  case 3: weighted_rows<3>(p, vr, off, n, a); break;
+                  case 4: weighted_rows<4>(p, vr, off, n, a); break;
+                  case 5: weighted_rows<5>(p, vr, off, n, a); break;
+                  case 6: weighted_rows<6>(p, vr, off, n, a); break;
+                  case 7: weighted_rows<7>(p, vr, off, n, a); break;
+                  default: weighted_rows<8>(p, vr, off, n, a); break;
+                }
               }
-            });
+            } else {
+              for_each_row(vc, [&](int64_t t, const float* v) {
+                for (int64_t r = 0; r < rows; ++r) {
+                  const float p = scores[r * n + t];
+                  const float* vr = v + r / group * d;
+                  float* a = acc.data() + r * d;
+                  for (int64_t i = 0; i < d; ++i) a[i] += p * vr[i];
+                }
+              });
+            }
             for (int64_t r = 0; r < rows; ++r) {
               float* a = acc.data() + r * d;
               for (int64_t i = 0; i < d; ++i) a[i] /= total[r];
