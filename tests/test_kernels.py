@@ -116,6 +116,19 @@ def test_paged_decode_attention_matches_dense(ops, cache_dtype, d, copies):
                                    g.seq_lens + 20, 0.25, torch.float32)
 
 
+def test_paged_decode_attention_refuses_degenerate_shapes(ops):
+    """0 KV heads (a division by zero, SIGFPE) and head_dim 0 (a read past every row, SIGSEGV)
+    crashed the process before; a 5-D cache and [B, 1] lengths were taken as something else."""
+    tables, lens = torch.tensor([[0, 1]]), torch.tensor([5])
+    cases = [(torch.randn(1, 4, 64), torch.randn(2, 4, 0, 64), tables, lens, "KVH > 0"),
+             (torch.randn(1, 4, 0), torch.randn(2, 4, 2, 0), tables, lens, "D > 0"),
+             (torch.randn(1, 4, 64), torch.randn(2, 4, 2, 64, 2), tables, lens, "k_cache must"),
+             (torch.randn(1, 4, 64), torch.randn(2, 4, 2, 64), tables, lens[:, None], "seq_lens")]
+    for q, cache, t, n, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.paged_decode_attention(q, cache, cache.clone(), t, n, 0.1, torch.float32)
+
+
 def test_argmax_matches_torch(ops):
     torch.manual_seed(2)
     x = torch.randn(9, 1000)

@@ -69,8 +69,8 @@ def test_shards_split_heads_mlp_and_vocabulary():
 
 
 def test_tp_size_must_divide_heads(tiny_4kv):
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 8 "
-                                         "query heads"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's 8 "
+                                         r"query heads; choose one of \[1, 2, 4\]"):
         LLM(tiny_4kv, skip_tokenizer_init=True, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(tiny_4kv, skip_tokenizer_init=True, tensor_parallel_size=0)
@@ -260,3 +260,12 @@ def test_worker_cli_needs_the_rendezvous_environment(monkeypatch, capsys):
         monkeypatch.delenv(key, raising=False)
     assert main(["worker"]) == 2
     assert "needs MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE" in capsys.readouterr().err
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    for rank, world_size, message in (("5", "2", "RANK=5 must be between 1 and WORLD_SIZE - 1"),
+                                      ("0", "2", "RANK=0 must be between"),
+                                      ("1", "abc", "must be integers")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        assert main(["worker"]) == 2  # at once: RANK=5 of 2 waited on the rendezvous before
+        assert message in capsys.readouterr().err

@@ -520,6 +520,14 @@ def cmd_worker(args: argparse.Namespace) -> None:
                if k not in os.environ]
     if missing:
         raise ValueError(f"pagedserve worker needs {', '.join(missing)} in the environment")
+    try:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(f"pagedserve worker: RANK={os.environ['RANK']!r} and WORLD_SIZE="
+                         f"{os.environ['WORLD_SIZE']!r} must be integers") from None
+    if not 0 < rank < world_size:
+        raise ValueError(f"pagedserve worker: RANK={rank} must be between 1 and WORLD_SIZE - 1 "
+                         f"= {world_size - 1} (rank 0 is the engine)")
     from pagedserve.distributed import worker_main
 
     worker_main()  # ends the process

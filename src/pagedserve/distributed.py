@@ -107,9 +107,12 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
                         ("KV heads", cfg.num_key_value_heads),
                         ("MLP intermediate size", cfg.intermediate_size)):
         if count % n:
+            counts = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+            fits = [d for d in range(1, cfg.num_key_value_heads + 1)
+                    if all(c % d == 0 for c in counts)]
             raise ValueError(f"tensor_parallel_size={n} does not divide the model's {count} "
-                             f"{what}; choose a divisor of {cfg.num_key_value_heads} "
-                             "(KV heads are split, not replicated)")
+                             f"{what}; choose one of {fits} (it must divide the query heads, "
+                             "the KV heads, which are split, not replicated, and the MLP width)")
 
 
 def local_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:

@@ -329,7 +329,9 @@ Tensor rotary_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& seq_lens, double scale,
                               at::ScalarType out_dtype) {
-  TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [B, H, D]");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0, "paged_decode_attention: q must be [B, H, D], D > 0");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) > 0,
+              "paged_decode_attention: k_cache must be [N, block_size, KVH, D], KVH > 0");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
@@ -340,7 +342,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
               "paged_decode_attention: head_dim or head counts do not match the cache");
   Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == batch &&
-                  lens.scalar_type() == at::kLong && lens.numel() == batch,
+                  lens.scalar_type() == at::kLong && lens.dim() == 1 && lens.numel() == batch,
               "paged_decode_attention: block_tables [B, M] and seq_lens [B] must be int64");
   const int64_t max_blocks = tables.size(1), group = heads / kv_heads, kv = kv_heads * d;
   const int64_t* table = tables.data_ptr<int64_t>();
