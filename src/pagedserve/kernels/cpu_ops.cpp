@@ -159,6 +159,9 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// SwiGLU's product for one column: silu(g) * u (silu_and_mul and the gated GEMM's epilogue).
+inline float silu_times(float g, float u) { return g / (1.f + fast_exp(-g)) * u; }
+
 // One row of RMSNorm (Zhang & Sennrich 2019): out = x / sqrt(mean(x^2) + eps) * w.
 template <typename O>
 inline void rms_norm_row(const float* x, const float* w, O* out, int64_t n, float eps,
@@ -241,7 +244,7 @@ Tensor silu_and_mul(const Tensor& x, at::ScalarType out_dtype) {
         for (int64_t t = begin; t < end; ++t) {
           load(xp + t * 2 * inter, g.data(), inter);
           load(xp + t * 2 * inter + inter, u.data(), inter);
-          for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+          for (int64_t i = 0; i < inter; ++i) g[i] = silu_times(g[i], u[i]);
           store(g.data(), o + t * inter, inter);
         }
       });
@@ -565,15 +568,12 @@ constexpr int TILE_ROWS = 8;
 
 // The SwiGLU epilogue of a gated tile: acc [MR, PANEL] holds, per row, the gate columns in
 // its first half and the matching up columns in its second; c gets silu(gate) * up for the
-// first ``cols`` (<= HALF_PANEL) of them, the same arithmetic as silu_and_mul.
+// first ``cols`` (<= HALF_PANEL) of them.
 template <int MR>
 inline void gated_store(const float (*acc)[PANEL], float* c, int64_t ldc, int cols) {
   for (int r = 0; r < MR; ++r) {
     float out[HALF_PANEL];
-    for (int j = 0; j < HALF_PANEL; ++j) {
-      const float g = acc[r][j];
-      out[j] = g / (1.f + fast_exp(-g)) * acc[r][HALF_PANEL + j];
-    }
+    for (int j = 0; j < HALF_PANEL; ++j) out[j] = silu_times(acc[r][j], acc[r][HALF_PANEL + j]);
     std::copy(out, out + cols, c + r * ldc);
   }
 }
