@@ -11,9 +11,9 @@ together (greedy, ignore_eos); the steps after everyone's prefill are timed, bes
 once after the last): the share uses the best peak of the whole run; each round's share is
 also taken against the mean of the peaks measured just before and just after it, and the
 median of those is printed too (the best of many 1-second peaks catches the machine's fastest
-moments, which a decode run of several seconds averages over). Decode FLOP/s = model FLOPs per token x tokens/s, where model
-FLOPs per token = 2 x (the matmul weights' elements) + attention's 4 x context x num_heads x
-head_dim per layer.
+moments, which a decode run of several seconds averages over). Decode FLOP/s = model FLOPs per
+token x tokens/s, where model FLOPs per token = 2 x (the matmul weights' elements) +
+attention's 4 x context x num_heads x head_dim per layer.
 
 For each batch it also times the same matmuls alone at M = batch rows: the most a decode step
 of that batch could reach if attention, norms and the engine took no time.
@@ -73,44 +73,36 @@ def matmul_rates(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5,
     return rates
 
 
-def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5,
-                ops=None) -> float:
-    """The better rate of matmul_rates."""
-    return max(matmul_rates(m, k, n, dtype, repeats, ops).values())
+def forward_rates(cfg, m: int, dtype: torch.dtype, linear_dtype: torch.dtype | None = None,
+                  ops=None, repeats: int = 5) -> tuple[float, dict]:
+    """FLOP-weighted GFLOP/s of one forward's matmuls at M = ``m`` rows (each shape counted once
+    per layer, at the better of MKL and the packed kernel ``ops``), and each shape's rates. The
+    decoder's linear layers run in ``linear_dtype`` (bfloat16 for quantization="int4": its
+    batched path), the LM head in ``dtype``."""
+    flops = seconds = 0.0
+    detail = {}
+    for name, k, n, times in weight_shapes(cfg):
+        rates = matmul_rates(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype,
+                             repeats, ops)
+        detail[f"{name} M={m}"] = {kind: round(r, 1) for kind, r in rates.items()}
+        f = 2 * m * k * n * times
+        flops += f
+        seconds += f / (max(rates.values()) * 1e9)
+    return flops / seconds / 1e9, detail
 
 
 def forward_matmul_rate(cfg, m: int, dtype: torch.dtype,
                         linear_dtype: torch.dtype | None = None, ops=None) -> float:
-    """FLOP-weighted GFLOP/s of one forward's matmuls at M = ``m`` rows: the ceiling of a
-    decode step of ``m`` sequences if nothing but the matmuls took time."""
-    flops = seconds = 0.0
-    for name, k, n, times in weight_shapes(cfg):
-        rate = matmul_rate(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype, 3,
-                           ops)
-        flops += 2 * m * k * n * times
-        seconds += 2 * m * k * n * times / (rate * 1e9)
-    return flops / seconds / 1e9
+    """forward_rates at M = ``m`` rows: the ceiling of a decode step of ``m`` sequences if
+    nothing but the matmuls took time."""
+    return forward_rates(cfg, m, dtype, linear_dtype, ops, repeats=3)[0]
 
 
 def machine_peak(cfg, dtype: torch.dtype, linear_dtype: torch.dtype | None = None,
                  ops=None) -> tuple[float, dict]:
-    """Best FLOP-weighted matmul GFLOP/s of one forward; the decoder's linear layers run in
-    ``linear_dtype`` (bfloat16 for quantization="int4": its batched path), the LM head in
-    ``dtype``; each shape at the better of MKL and the engine's packed kernel (``ops``)."""
-    shapes = weight_shapes(cfg)
-    detail, best = {}, 0.0
-    for m in (256, 512):
-        flops = seconds = 0.0
-        for name, k, n, times in shapes:
-            rates = matmul_rates(m, k, n, dtype if name == "lm_head" else linear_dtype or dtype,
-                                 ops=ops)
-            rate = max(rates.values())
-            detail[f"{name} M={m}"] = {kind: round(r, 1) for kind, r in rates.items()}
-            f = 2 * m * k * n * times
-            flops += f
-            seconds += f / (rate * 1e9)
-        best = max(best, flops / seconds / 1e9)
-    return best, detail
+    """The better forward_rates of M = 256 and 512 rows, and the shapes' rates at both."""
+    results = [forward_rates(cfg, m, dtype, linear_dtype, ops) for m in (256, 512)]
+    return max(rate for rate, _ in results), {k: v for _, d in results for k, v in d.items()}
 
 
 def flops_per_token(cfg, context: float) -> float:
@@ -191,6 +183,7 @@ def main() -> None:
     print("\n| batch | step ms | tokens/s | GFLOP/s | share of peak | each round against the peaks "
           "around it | their median | matmuls alone at M = batch | their share of peak |")
     print("|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+
     def gflops_of(r: dict) -> float:
         return r["tokens_per_s"] * flops_per_token(cfg, r["context"]) / 1e9
 
