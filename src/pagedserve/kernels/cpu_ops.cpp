@@ -586,13 +586,13 @@ void linear_tile(const float* a, const float* panel, int64_t k, float* c,
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
     acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-  const int64_t pf_per_k = pf_lines > 0 ? (pf_lines + k - 1) / k : 0;
-  const char* pf_end = pf + 64 * pf_lines;
+  int64_t pf_acc = 0;
   for (int64_t i = 0; i < k; ++i) {
     const __m512 b0 = _mm512_loadu_ps(panel + i * PANEL);
     const __m512 b1 = _mm512_loadu_ps(panel + i * PANEL + 16);
     const __m512 b2 = _mm512_loadu_ps(panel + i * PANEL + 32);
-    for (int64_t j = 0; j < pf_per_k && pf < pf_end; ++j, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+    // spread evenly over the k steps: pf_lines prefetches in all
+    for (pf_acc += pf_lines; pf_acc >= k; pf_acc -= k, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512 x = _mm512_set1_ps(a[r * k + i]);
