@@ -6,7 +6,8 @@ token's slot is a row index: writes go through ``slot_mapping`` with one ``index
 block table gathers whole blocks whose rows are already in position order. All layers live in
 one allocation ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. It starts
 zeroed so that never-written slots hold finite values (a masked score's zero weight times a
-NaN would still be NaN). On CPU the zeros come from calloc (through numpy), so the OS commits
+NaN would still be NaN). On CPU the zeros come from a private anonymous mapping advised for
+transparent huge pages (calloc through numpy where that is not available), so the OS commits
 pages as blocks are first written instead of at start-up. An 8-bit cache (``kv_cache_dtype``
 "int8" or "fp8", see kv/quant.py) holds bytes in ``kv`` and one scale per token and KV head in
 ``scales`` [num_layers, 2, num_blocks, block_size, num_kv_heads]; every block operation (copy,
@@ -16,6 +17,8 @@ swap) moves both, so a block's scales never part from its bytes.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,9 +59,35 @@ def num_blocks_for_memory(kv_cache_memory: int, model: ModelConfig, block_size: 
     return planner.num_blocks(kv_cache_memory, kv_bytes_per_token(model, spec), block_size)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+HUGE_PAGE = 2 << 20  # bytes: the x86-64 transparent huge page
+
+
+def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """Zeroed CPU memory advised for transparent huge pages (Linux ``madvise(MADV_HUGEPAGE)``),
+    or None where the OS has no such advice or the tensor is under one huge page. Decode
+    attention and the K/V write reach blocks scattered over gigabytes of cache, so with 4 KB
+    pages nearly every block they touch costs a TLB miss: with 2 MB pages, attention took
+    9-13% less time at batch 8, 64 and 256 (README, Speed). The mapping comes zeroed and the OS
+    commits it as it is touched (2 MB at a time where huge pages are granted), like calloc."""
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out or disabled: still zeroed, lazily committed memory
+        pass
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE  # THP backs only 2 MB-aligned ranges
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           huge_pages: bool = False) -> torch.Tensor:
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
+    if huge_pages and (t := _huge_page_zeros(shape, dtype)) is not None:
+        return t
     itemsize = torch.tensor([], dtype=dtype).element_size()
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize])
     return torch.from_numpy(raw).view(dtype)
@@ -98,11 +127,11 @@ class KVCache:
                  model.head_dim)
         swap_shape = (*shape[:2], num_swap_blocks, *shape[3:])
         pinned = device.type == "cuda"
-        self.kv = _zeros(shape, spec.storage_dtype, device)
+        self.kv = _zeros(shape, spec.storage_dtype, device, huge_pages=True)
         self.swap = _host_zeros(swap_shape, spec.storage_dtype, pinned)
         self.scales = self.swap_scales = None
         if spec.quantized:
-            self.scales = _zeros(shape[:-1], SCALE_DTYPE, device)
+            self.scales = _zeros(shape[:-1], SCALE_DTYPE, device, huge_pages=True)
             self.swap_scales = _host_zeros(swap_shape[:-1], SCALE_DTYPE, pinned)
         self.layers = [
             LayerKVCache(self.kv[i, 0], self.kv[i, 1],
