@@ -11,7 +11,7 @@ import torch
 from _helpers import load_hf, save_tiny_model
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.kv.cache import HUGE_PAGE, _huge_page_zeros
+from pagedserve.kv.cache import HUGE_PAGE, _huge_page_zeros, _zeros
 from pagedserve.sampling_params import BeamSearchParams
 
 
@@ -296,6 +296,16 @@ def test_huge_page_zeros_is_a_zeroed_aligned_tensor_that_owns_its_mapping():
     t[-1, -1] = 2.5
     gc.collect()  # only the tensor refers to the mapping now
     assert t.float().sum().item() == 2.5 * 100 * 16 * 2 * 64
+
+
+def test_cache_falls_back_to_calloc_when_the_mapping_fails(monkeypatch):
+    def no_mapping(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_mapping)
+    assert _huge_page_zeros((4 << 20,), torch.float32) is None
+    t = _zeros((4 << 20,), torch.float32, torch.device("cpu"), huge_pages=True)
+    assert t.shape == (4 << 20,) and not t.any()
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

@@ -72,7 +72,10 @@ def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no address space for it: calloc's MemoryError becomes the clear error
+        return None
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # THP compiled out or disabled: still zeroed, lazily committed memory
