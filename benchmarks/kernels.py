@@ -21,18 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from roofline import decode_rate  # noqa: E402
+from roofline import decode_rate, positive  # noqa: E402
 
 from pagedserve import LLM, kernels  # noqa: E402
 
 MODES = ("packed", "kernels", "torch")  # packed: what the engine runs
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def main() -> int:

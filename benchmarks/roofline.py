@@ -131,6 +131,14 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int = 64, decode_tokens: int =
             "context": prompt_len + 1 + steps / 2}
 
 
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def commit_kv_cache(llm: LLM) -> None:
     """Touch every page of the engine's KV cache once, its contents unchanged, as a serving
     process does in its first minutes. The CPU cache is committed lazily, so a fresh process's
@@ -148,15 +156,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="default: pagedserve's default")
     ap.add_argument("--quantization", default=None, choices=["int4"],
                     help="int4 linear layers (their batched matmuls run in bfloat16)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--batches", type=positive, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--prompt-len", type=positive, default=32)
+    ap.add_argument("--decode-tokens", type=positive, default=32)
+    ap.add_argument("--rounds", type=positive, default=3,
                     help="rounds over all batches; each batch's best counts (this VM is noisy)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=2 << 30,
               max_num_seqs=max(args.batches), max_num_batched_tokens=4096,

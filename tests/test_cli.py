@@ -193,3 +193,7 @@ def test_bench_runs_a_benchmark_script(capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     assert main(["bench", "throughput", "--num-requests", "x"]) == 2  # its own argparse error
     assert "throughput benchmark exited with 2" in capsys.readouterr().err
+    for flags in (["--batches", "8", "0"], ["--decode-tokens", "0"], ["--prompt-len", "-3"],
+                  ["--rounds", "0"]):  # argparse errors before the model loads
+        assert main(["bench", "roofline", *flags]) == 2
+        assert "must be at least 1" in capsys.readouterr().err

@@ -69,7 +69,7 @@ def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     pages nearly every block they touch costs a TLB miss: with 2 MB pages, attention took
     9-13% less time at batch 8, 64 and 256 (README, Speed). The mapping comes zeroed and the OS
     commits it as it is touched (2 MB at a time where huge pages are granted), like calloc."""
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     try:
@@ -91,8 +91,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
         return torch.zeros(shape, dtype=dtype, device=device)
     if huge_pages and (t := _huge_page_zeros(shape, dtype)) is not None:
         return t
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize])
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize])
     return torch.from_numpy(raw).view(dtype)
 
 
