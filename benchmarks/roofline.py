@@ -8,13 +8,13 @@ is the best FLOP-weighted rate of one forward's matmuls (each shape counted once
 the model runs them). Engine: B requests with short prompts decode ``--decode-tokens`` tokens
 together (greedy, ignore_eos); the steps after everyone's prefill are timed, best of
 ``--rounds`` rounds over all batches, on a KV cache whose pages have all been touched once (a
-serving process's steady state; ``commit_kv_cache``). The peak is measured again before every decode run (and
-once after the last): the share uses the best peak of the whole run; each round's share is
-also taken against the mean of the peaks measured just before and just after it, and the
-median of those is printed too (the best of many 1-second peaks catches the machine's fastest
-moments, which a decode run of several seconds averages over). Decode FLOP/s = model FLOPs per
-token x tokens/s, where model FLOPs per token = 2 x (the matmul weights' elements) +
-attention's 4 x context x num_heads x head_dim per layer.
+serving process's steady state; ``commit_kv_cache``). The peak is measured again before every
+decode run (and once after the last): the share uses the best peak of the whole run; each
+round's share is also taken against the mean of the peaks measured just before and just after
+it, and the median of those is printed too (the best of many 1-second peaks catches the
+machine's fastest moments, which a decode run of several seconds averages over). Decode FLOP/s
+= model FLOPs per token x tokens/s, where model FLOPs per token = 2 x (the matmul weights'
+elements) + attention's 4 x context x num_heads x head_dim per layer.
 
 For each batch it also times the same matmuls alone at M = batch rows: the most a decode step
 of that batch could reach if attention, norms and the engine took no time.
@@ -147,7 +147,7 @@ def commit_kv_cache(llm: LLM) -> None:
     cache = llm.llm_engine.kv_cache
     for t in (cache.kv, cache.scales):
         if t is not None:
-            t.mul_(1)
+            t.view(torch.uint8).mul_(1)  # byte-wise: the same for every cache dtype
 
 
 def main() -> None:

@@ -310,8 +310,8 @@ def test_cache_falls_back_to_calloc_when_the_mapping_fails(monkeypatch):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_huge_page_cache_gives_the_same_tokens(tiny_llama, kv_cache_dtype):
-    """A CPU cache of 8 MB comes from the mapping advised for huge pages (zeroed, 2 MB-aligned),
-    one of 0.5 MB from calloc: the same greedy tokens from both."""
+    """A CPU cache of 1,024 blocks (8 MB; 2 MB for int8) comes from the mapping advised for
+    huge pages (zeroed, 2 MB-aligned), one of 64 blocks from calloc: the same greedy tokens."""
     outs = []
     for blocks in (64, 1024):
         llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=blocks,
