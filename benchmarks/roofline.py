@@ -163,10 +163,17 @@ def main() -> None:
                     help="rounds over all batches; each batch's best counts (this VM is noisy)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        ap.error(f"--json: no directory for {args.json}")
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=2 << 30,
               max_num_seqs=max(args.batches), max_num_batched_tokens=4096,
               quantization=args.quantization)
+    cache = llm.llm_engine.kv_cache
+    per_seq = -(-(args.prompt_len + args.decode_tokens + 1) // cache.block_size)
+    if max(args.batches) * per_seq > cache.num_blocks:  # it would preempt: not decode alone
+        ap.error(f"--batches {max(args.batches)} needs {max(args.batches) * per_seq} KV blocks "
+                 f"of {cache.block_size} tokens; the 2 GiB cache holds {cache.num_blocks}")
     cfg = llm.llm_engine.model_config
     dtype = llm.llm_engine.dtype
     ops = llm.llm_engine.model.ops  # the CPU kernels, when the engine runs them

@@ -197,3 +197,10 @@ def test_bench_runs_a_benchmark_script(capsys):
                   ["--rounds", "0"]):  # argparse errors before the model loads
         assert main(["bench", "roofline", *flags]) == 2
         assert "must be at least 1" in capsys.readouterr().err
+    assert main(["bench", "roofline", "--json", "/nonexistent/dir/x.json"]) == 2
+    assert "--json: no directory" in capsys.readouterr().err
+
+
+def test_bench_roofline_refuses_batches_beyond_its_kv_cache(tiny_llama, capsys):
+    assert main(["bench", "roofline", "--model", tiny_llama, "--batches", "100000"]) == 2
+    assert "the 2 GiB cache holds" in capsys.readouterr().err
