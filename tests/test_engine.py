@@ -27,8 +27,8 @@ def texts(outs):
 
 @pytest.mark.parametrize("prompt, params, match", [
     ("", GREEDY, "empty"),
-    ("word " * 200, GREEDY, r"\d+ tokens, more than max_model_len=128"),
-    ("hello", SamplingParams(max_tokens=125), r"plus max_tokens \(125\) is 1\d\d tokens, more than max_model_len=128"),
+    ("word " * 200, GREEDY, r"maximum context length is 128 tokens. However, your prompt has \d+ tokens\. "),
+    ("hello", SamplingParams(max_tokens=125), r"context length is 128 tokens. However, you requested 1\d\d tokens \(\d+ in the messages, 125 in the completion\)"),
     ({"prompt_token_ids": [5, 9999]}, GREEDY, "outside the vocabulary"),
     ({"prompt_token_ids": "abc"}, GREEDY, "list of integers"),
     (12, GREEDY, "string or a dict"),

@@ -27,7 +27,7 @@ from pagedserve.beam_search import BeamSearchState
 from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
 from pagedserve.core.block_manager import BlockManager, ContiguousBlockManager, cdiv
 from pagedserve.core.block_pool import root_hash
-from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.distributed import (
     DistributedRunner,
     Driver,
@@ -36,6 +36,7 @@ from pagedserve.distributed import (
     device_group,
     local_config,
 )
+from pagedserve.inputs import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.kv.cache import (
     KVCache,
     default_kv_cache_memory,
@@ -62,15 +63,14 @@ from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, Samp
 from pagedserve.sequence import Request, Sequence, SequenceStatus
 from pagedserve.tokenizer import (
     IncrementalDetokenizer,
-    apply_chat_template,
-    encode,
     load_tokenizer,
 )
 
 logger = logging.getLogger("pagedserve")
 
-PromptType = str | dict[str, Any]
-
+# A failed forward pass fails only its step's requests; this many in a row mark the engine
+# unhealthy (a transient failure should not make an orchestrator restart the server).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 class LLMEngine:
     """The serving engine: owns the model, the KV cache, the scheduler and the requests.
@@ -230,6 +230,7 @@ class LLMEngine:
             self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
                                               num_swap_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, preemption_mode)
+        self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_model_len)
         self.sampler = Sampler(kernels.load() if self.device.type == "cpu" else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -245,6 +246,7 @@ class LLMEngine:
         self.max_num_running = 0
         self.num_prompt_tokens = 0  # prompts of requests that produced a first token
         self.num_generation_tokens = 0  # tokens sampled (every sequence, every beam)
+        self.num_consecutive_step_failures = 0
 
         logger.info(
             "model %s (%s, %d layers, %d/%d query/KV heads, head_dim %d): %.1f MB of %s weights%s "
@@ -261,44 +263,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
-        """(text, token ids, cache_salt) of a prompt string or prompt dict."""
-        salt = None
-        if isinstance(prompt, dict):
-            salt = prompt.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError(f"cache_salt must be a string, got {salt!r}")
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), list(ids), salt
-            if "prompt" not in prompt:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("the engine runs without a tokenizer: pass prompt_token_ids")
-        return prompt, encode(self.tokenizer, prompt), salt
-
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """(text, token ids, cache_salt) of a prompt string or dict, checked as add_request
-        checks it: not empty, ids inside the vocabulary, at most max_model_len tokens.
-        Raises ValueError naming the numbers."""
-        text, ids, salt = self._prompt_token_ids(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        max_len = self.scheduler_config.max_model_len
-        if len(ids) > max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than "
-                             f"max_model_len={max_len}")
-        return text, ids, salt
+        checks it (``InputProcessor.process_prompt``). Thread-safe: it reads only the
+        tokenizer and the model's limits. Raises ValueError naming the numbers."""
+        return self.input_processor.process_prompt(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | None = None,
@@ -320,17 +289,8 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids, salt = self.process_prompt(prompt)
-        max_len = self.scheduler_config.max_model_len
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = max_len - len(ids)
-            if max_tokens < 1:
-                raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to "
-                                 f"generate within max_model_len={max_len}")
-        elif len(ids) + max_tokens > max_len:
-            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "
-                             f"{len(ids) + max_tokens} tokens, more than max_model_len={max_len}")
+        text, ids, salt = self.input_processor.process_prompt(prompt)
+        max_tokens = self.input_processor.resolve_max_tokens(params, len(ids))
         beam = isinstance(params, BeamSearchParams)
         width = params.beam_width if beam else params.n
         if width > 1 and self.kv_allocator == "contiguous":
@@ -401,7 +361,11 @@ class LLMEngine:
 
     def is_healthy(self) -> bool:
         """False once a tensor-parallel worker died or the engine was shut down (noticed
-        within a second even while idle; the server's /health reports it)."""
+        within a second even while idle), or after MAX_CONSECUTIVE_STEP_FAILURES forward
+        passes failed in a row (one success makes it healthy again); the server's /health
+        reports it."""
+        if self.num_consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            return False
         return self.driver is None or self.driver.alive
 
     def shutdown(self) -> None:
@@ -426,7 +390,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for each request that produced something this
-        step (as its ``output_kind`` asks; beam search requests only when finished)."""
+        step (as its ``output_kind`` asks; beam search requests only when finished).
+
+        Failures stay with their request: an exception while sampling, detokenizing, checking
+        stops, recording logprobs or building the output of one request finishes that request
+        with ``finish_reason="error"`` (``RequestOutput.error`` says why) and frees its blocks;
+        a failed forward pass does that to the requests of this step. The others go on. Raises
+        only for a broken engine (a dead tensor-parallel worker, a scheduler defect)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not sched.preempted:
@@ -437,31 +407,121 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-        result = self.runner.execute(sched)
-        seqs, logits = result.sample_seqs, result.logits
-        if result.prompt_rows:
-            self._record_prompt_logprobs(result.prompt_rows, result.prompt_logits)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            if self.driver is not None and not self.driver.alive:
+                raise  # the ranks are out of step: nothing more can run
+            return self._fail_step(sched, e)
+        self.num_consecutive_step_failures = 0
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         self._track_usage()
+        failed: dict[int, Request] = {}
+        if result.prompt_rows:
+            self._record_prompt_logprobs_isolated(result.prompt_rows, result.prompt_logits,
+                                                  failed)
+        seqs, logits = result.sample_seqs, result.logits
         touched = {id(s.request): s.request for s in seqs}
-        self._sample([(s, i) for i, s in enumerate(seqs) if s.request.beam is None], logits)
+        self._sample([(s, i) for i, s in enumerate(seqs)
+                      if s.request.beam is None and id(s.request) not in failed], logits, failed)
         row = {id(s): i for i, s in enumerate(seqs)}
         for request in touched.values():
-            if request.beam is not None:
-                self._beam_step(request, logits[[row[id(b)] for b in request.seqs]])
+            if request.beam is not None and id(request) not in failed:
+                try:
+                    self._beam_step(request, logits[[row[id(b)] for b in request.seqs]])
+                except Exception as e:
+                    self._fail(request, e, failed)
         outputs = []
         for request in touched.values():
-            if request.is_finished:
-                request.metrics.finished_time = now
-                del self.requests[request.request_id]
-                self.scheduler.finish_requests([request])
-                outputs.append(self._make_output(request))
-            elif request.beam is None and request.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(request))
+            if id(request) not in failed:
+                try:
+                    out = self._finish_or_report(request, now)
+                except Exception as e:
+                    self._fail(request, e, failed)
+                else:
+                    if out is not None:
+                        outputs.append(out)
+            if id(request) in failed:
+                outputs.append(self._error_output(request))
         if self.cache_config.debug_checks:
             self._check_kv()
         return outputs
+
+    def _finish_or_report(self, request: Request, now: float) -> RequestOutput | None:
+        """Free a finished request and return its output; a running one's output if its
+        ``output_kind`` streams."""
+        if request.is_finished:
+            out = self._make_output(request)
+            request.metrics.finished_time = now
+            del self.requests[request.request_id]
+            self.scheduler.finish_requests([request])
+            return out
+        if request.beam is None and request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            return self._make_output(request)
+        return None
+
+    # ---- failures -------------------------------------------------------------------------
+
+    def _fail(self, request: Request, error: BaseException, failed: dict[int, Request]) -> None:
+        """Finish ``request`` with an error and free its blocks; the step goes on without it."""
+        logger.error("request %s failed: %s: %s", request.request_id, type(error).__name__,
+                     error, exc_info=error)
+        request.error = f"{type(error).__name__}: {error}"
+        for s in request.seqs:
+            if not s.is_finished:
+                s.status = SequenceStatus.FINISHED_ERROR
+        if request.beam is not None:
+            request.beam.done = True
+        request.metrics.finished_time = time.time()
+        self.requests.pop(request.request_id, None)
+        self.scheduler.finish_requests([request])
+        failed[id(request)] = request
+
+    def _fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        """The forward pass (or a block copy) failed: finish every request of this step with
+        the error. Blocks registered in the prefix cache this step hold no valid K/V, so their
+        hashes are dropped before the blocks are freed."""
+        self.num_consecutive_step_failures += 1
+        logger.error("step failed (%d in a row): %s: %s", self.num_consecutive_step_failures,
+                     type(error).__name__, error, exc_info=error)
+        requests = {id(s.request): s.request for s, _ in sched.scheduled}
+        requests.update((id(r), r) for r in sched.preempted
+                        if any(s.status == SequenceStatus.SWAPPED for s in r.seqs))
+        for seq, _ in sched.scheduled:
+            self.block_manager.forget_uncomputed(seq)
+        failed: dict[int, Request] = {}
+        for request in requests.values():
+            self._fail(request, error, failed)
+        if self.cache_config.debug_checks:
+            self._check_kv()
+        return [self._error_output(r) for r in requests.values()]
+
+    def _error_output(self, request: Request) -> RequestOutput:
+        """The final output of a failed request: no text, ``finish_reason="error"``."""
+        completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
+                       for i in range(max(1, len(request.seqs) if request.beam is None else 1))]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, True, num_cached_tokens=request.num_cached_tokens,
+                             metrics=request.metrics, error=request.error)
+
+    def _record_prompt_logprobs_isolated(self, items: list[tuple[Sequence, int, int]],
+                                         logits: torch.Tensor,
+                                         failed: dict[int, Request]) -> None:
+        """``_record_prompt_logprobs`` for all rows at once; if that raises, for each request
+        alone, failing the requests that still raise."""
+        try:
+            self._record_prompt_logprobs(items, logits)
+            return
+        except Exception:
+            pass
+        row = 0
+        for seq, first, count in items:
+            try:
+                self._record_prompt_logprobs([(seq, first, count)], logits[row:row + count])
+            except Exception as e:
+                self._fail(seq.request, e, failed)
+            row += count
 
     def _track_usage(self) -> None:
         pool = self.block_manager.pool
@@ -496,47 +556,96 @@ class LLMEngine:
             self.peak_used_blocks = used
             self.kv_token_utilization = filled / (used * bs)
 
-    def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        """Sample one token for each (sequence, logits row); an n > 1 request forks at its
-        first token into n sequences sampling from the same row."""
-        if not rows:
-            return
-        seqs, index = [], []
+    def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+                failed: dict[int, Request]) -> None:
+        """Sample one token for each (sequence, logits row) and apply it; an n > 1 request
+        forks at its first token into n sequences sampling from the same row. A request whose
+        handling raises is failed (``failed``), the others go on."""
+        rows = self._fork_parallel(rows, failed)
+        for group, out in self._run_sampler(rows, logits, failed):
+            now = time.time()
+            for j, (seq, _) in enumerate(group):
+                if id(seq.request) in failed:
+                    continue
+                try:
+                    self._append_sampled(seq, out, j, now)
+                except Exception as e:
+                    self._fail(seq.request, e, failed)
+
+    def _fork_parallel(self, rows: list[tuple[Sequence, int]], failed: dict[int, Request]
+                       ) -> list[tuple[Sequence, int]]:
+        """``rows`` with the n - 1 children of each n > 1 request at its first token (they
+        share the parent's blocks and sample from the parent's row)."""
+        out = []
         for seq, i in rows:
             request = seq.request
-            if request.params.n > 1 and len(request.seqs) == 1 and seq.num_output_tokens == 0:
-                for k in range(1, request.params.n):
-                    child = self._new_sequence(request, k, list(seq.token_ids))
-                    child.status = SequenceStatus.RUNNING
-                    self.block_manager.fork(seq, child)
-                    request.seqs.append(child)
-                    seqs.append(child)
-                    index.append(i)
-            seqs.append(seq)
-            index.append(i)
+            try:
+                if request.params.n > 1 and len(request.seqs) == 1 and seq.num_output_tokens == 0:
+                    for k in range(1, request.params.n):
+                        child = self._new_sequence(request, k, list(seq.token_ids))
+                        child.status = SequenceStatus.RUNNING
+                        self.block_manager.fork(seq, child)
+                        request.seqs.append(child)
+                        out.append((child, i))
+            except Exception as e:
+                self._fail(request, e, failed)
+                continue
+            out.append((seq, i))
+        return out
+
+    def _run_sampler(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+                     failed: dict[int, Request]
+                     ) -> list[tuple[list[tuple[Sequence, int]], SamplerOutput]]:
+        """The sampler over all ``rows`` in one batch: [(rows, output)]. If the batch raises,
+        each request's rows are sampled alone and the requests that still raise are failed."""
+        rows = [(s, i) for s, i in rows if id(s.request) not in failed]
+        if not rows:
+            return []
+        try:
+            return [(rows, self._sample_rows(rows, logits))]
+        except Exception:
+            pass
+        groups: dict[int, list[tuple[Sequence, int]]] = {}
+        for seq, i in rows:
+            groups.setdefault(id(seq.request), []).append((seq, i))
+        results = []
+        for group in groups.values():
+            try:
+                results.append((group, self._sample_rows(group, logits)))
+            except Exception as e:
+                self._fail(group[0][0].request, e, failed)
+        return results
+
+    def _sample_rows(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor
+                     ) -> SamplerOutput:
+        seqs = [s for s, _ in rows]
+        index = [i for _, i in rows]
         smd = build_sampling_metadata(seqs, self.model_config.vocab_size, self.device)
         if index != list(range(logits.shape[0])):  # a copy of [B, vocab] only if needed
             logits = logits[index]
-        out = self.sampler(logits, smd, self.generator)
-        now = time.time()
-        self.num_generation_tokens += len(seqs)
-        for j, (seq, token) in enumerate(zip(seqs, out.token_ids)):
-            metrics = seq.request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-                self.num_prompt_tokens += len(seq.request.prompt_token_ids)
-            metrics.last_token_time = now
-            seq.append_token(token)
-            metrics.num_generation_tokens = max(metrics.num_generation_tokens,
-                                                seq.num_output_tokens)
-            if out.sampled_logprobs is not None and seq.logprobs is not None:
-                self._record_logprobs(seq, out, j)
-            if self._check_stop(seq, token):
-                if seq.detokenizer is not None and not seq.detokenizer.finished:
-                    stop = seq.detokenizer.flush()  # held-back text; may complete a stop string
-                    if stop is not None:
-                        seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-                self.scheduler.finish_sequence(seq)
+        return self.sampler(logits, smd, self.generator)
+
+    def _append_sampled(self, seq: Sequence, out: SamplerOutput, j: int, now: float) -> None:
+        """Append row ``j``'s token to ``seq``: metrics, logprobs, stop checks, and its blocks
+        freed if that finished it."""
+        token = out.token_ids[j]
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            self.num_prompt_tokens += len(seq.request.prompt_token_ids)
+        metrics.last_token_time = now
+        seq.append_token(token)
+        self.num_generation_tokens += 1
+        metrics.num_generation_tokens = max(metrics.num_generation_tokens,
+                                            seq.num_output_tokens)
+        if out.sampled_logprobs is not None and seq.logprobs is not None:
+            self._record_logprobs(seq, out, j)
+        if self._check_stop(seq, token):
+            if seq.detokenizer is not None and not seq.detokenizer.finished:
+                stop = seq.detokenizer.flush()  # held-back text; may complete a stop string
+                if stop is not None:
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            self.scheduler.finish_sequence(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Apply the stop rules in vLLM's order; set status/stop_reason. True if finished."""
@@ -784,16 +893,13 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
         list of conversations, rendered with the model's chat template."""
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
-            text, ids = apply_chat_template(tokenizer, conv, add_generation_prompt,
-                                            **(chat_template_kwargs or {}))
+            text, ids = self.llm_engine.input_processor.render_chat(
+                conv, add_generation_prompt, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 

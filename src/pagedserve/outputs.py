@@ -41,7 +41,8 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence. ``finish_reason`` is "stop", "length", "abort" or None while
+    """One generated sequence. ``finish_reason`` is "stop", "length", "abort", "error" (the
+    engine failed while handling this request; ``RequestOutput.error`` says why) or None while
     running; ``stop_reason`` is the stop string or stop token id that ended it, if any."""
 
     index: int
@@ -70,6 +71,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token (None for the first), its Logprob
     # and the top alternatives.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set when the request failed inside the engine (its outputs' finish_reason is "error").
+    error: str | None = None
 
 
 @dataclass

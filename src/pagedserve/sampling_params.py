@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Every integer field must fit a signed 64-bit tensor element; the engine then bounds each
+# against the model (top_k and token ids by the vocabulary, n by max_num_seqs).
+INT64_MAX = 2**63 - 1
 MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 1e4
 
@@ -100,6 +103,8 @@ class SamplingParams:
             optional = name in ("max_tokens", "logprobs", "prompt_logprobs", "seed")
             if (value is not None or not optional) and not _is_int(value):
                 fail(f"{name} must be an integer, got {value!r}")
+            if name != "seed" and value is not None and not -INT64_MAX <= value <= INT64_MAX:
+                fail(f"{name} must be within +-(2**63 - 1), got {value}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
@@ -141,7 +146,7 @@ class SamplingParams:
             fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             fail(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property

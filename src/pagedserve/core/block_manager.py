@@ -125,6 +125,15 @@ class BlockManager:
             seq.block_table.extend(self.pool.allocate(missing))
         self._cache_full_blocks(seq, total)
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """Drop the prefix-cache hashes of ``seq``'s blocks past its computed tokens (those
+        registered when this step was scheduled): after a failed step their K/V were never
+        written, so no later request may hit them."""
+        first = seq.num_computed_tokens // self.block_size
+        for b in seq.block_table[first:]:
+            self.pool.forget(b)
+        seq.num_cached_blocks = min(seq.num_cached_blocks, first)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (one more reference each)."""
         self.pool.touch(parent.block_table)

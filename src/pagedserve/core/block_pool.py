@@ -110,6 +110,17 @@ class BlockPool:
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
 
+    def forget(self, block: int) -> None:
+        """Unregister a block's hash (its content is not what the hash says)."""
+        h = self.block_hash[block]
+        if h is None:
+            return
+        self.block_hash[block] = None
+        if self.cached.get(h) == block:
+            del self.cached[h]
+        if self.ref_cnt[block] == 0:
+            self.num_cached_free -= 1
+
     def check_invariants(self, block_tables: list[list[int]]) -> None:
         """Assert the pool agrees with the live block tables. Raises AssertionError."""
         assert len(self.free_queue) == len(set(self.free_queue)), "a block is free twice"

@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedserve.engine import LLMEngine
+from pagedserve.inputs import PromptType
 from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -89,14 +91,15 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
-    async def add(self, requests: list[tuple[str, Callable[[LLMEngine], Any]]]
+    async def add(self, requests: list[tuple[str, PromptType, SamplingParams]]
                   ) -> list[AsyncIterator[RequestOutput]]:
         """Add requests together (all or none) and return one output stream for each.
 
-        Each ``make_request(engine)`` runs in the engine thread and must call
-        ``engine.add_request(request_id, ...)`` for its id; if one raises, the ones before it
-        are aborted and the error is raised here. A stream yields the request's outputs until
-        it finishes; closing or cancelling it before that aborts the request.
+        Each (request_id, prompt, params) goes to ``engine.add_request`` in the engine thread;
+        pass prompts as token ids (``InputProcessor.process_prompt`` in a worker thread) so
+        that no tokenizer runs on the engine thread. If one is refused, the ones before it are
+        aborted and the error is raised here. A stream yields the request's outputs until it
+        finishes; closing or cancelling it before that aborts the request.
 
         Raises:
             ValueError: a request was refused (bad input). TooManyRequestsError: the waiting
@@ -120,8 +123,8 @@ class AsyncEngine:
                         f"{self.max_num_waiting}); retry later")
             added = []
             try:
-                for (request_id, make_request), outputs in zip(requests, queues):
-                    make_request(engine)
+                for (request_id, prompt, params), outputs in zip(requests, queues):
+                    engine.add_request(request_id, prompt, params)
                     added.append(request_id)
                     self._streams[request_id] = (loop, outputs)
             except BaseException:
@@ -131,7 +134,7 @@ class AsyncEngine:
 
         await self.call(add_all)
         return [self._stream(request_id, outputs)
-                for (request_id, _), outputs in zip(requests, queues)]
+                for (request_id, _, _), outputs in zip(requests, queues)]
 
     async def _stream(self, request_id: str, outputs: asyncio.Queue
                       ) -> AsyncIterator[RequestOutput]:

@@ -48,6 +48,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Requests that finished.")
+        self.request_failure = counter("request_failure",
+                                       "Requests the engine failed on (finish_reason error).")
         self.time_to_first_token = histogram("time_to_first_token_seconds",
                                              "Arrival to first token.", _LATENCY_BUCKETS)
         self.time_per_output_token = histogram("time_per_output_token_seconds",
@@ -90,6 +92,9 @@ class ServerMetrics:
             if out.request_id not in self._seen_first_token and m.first_token_time is not None:
                 self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
             self._seen_first_token.discard(out.request_id)
+            if out.error is not None:
+                self.request_failure.inc()
+                continue
             self.request_success.inc()
             if m.finished_time is not None:
                 self.e2e_request_latency.observe(m.finished_time - m.arrival_time)

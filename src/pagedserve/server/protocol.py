@@ -1,18 +1,75 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their translation into
 SamplingParams. Field names and defaults follow OpenAI's API and vLLM's extensions (top_k,
 min_p, repetition_penalty, ignore_eos, cache_salt). Unknown fields are ignored, as OpenAI
-clients send some we do not use; wrong types and out-of-range values are errors (400).
+clients send some we do not use, except the request fields of OpenAI and vLLM that change what
+is generated and are not implemented here (``UNIMPLEMENTED``): those are refused unless left at
+"off", so that a request never silently gets something other than it asked for. Wrong types
+and out-of-range values are errors (400). Integer fields take integer-valued floats (``4.0``),
+as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 Number = StrictFloat  # a JSON number (ints too), never a string or a boolean
+
+
+def _integral(value: Any) -> Any:
+    """4.0 -> 4; anything else unchanged (and then checked as a strict integer)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[StrictInt, BeforeValidator(_integral)]  # a JSON integer, or 4.0; never true
+
+# Request fields of OpenAI's API or vLLM's that change what is generated and are not
+# implemented here, each with the values besides null that mean "off" (some clients send
+# every field).
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "logits_processors": (),
+    "return_tokens_as_token_ids": (False,), "prompt_embeds": (),
+    "spaces_between_special_tokens": (True,), "priority": (0,), "vllm_xargs": (),
+    "kv_transfer_params": (), "mm_processor_kwargs": (), "functions": ([],),
+    "function_call": ("none", "auto"), "prediction": (), "audio": (), "modalities": (["text"],),
+}
+CHAT_UNIMPLEMENTED = {
+    **UNIMPLEMENTED, "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (), "echo": (False,),
+    "add_special_tokens": (False,),
+}
+COMPLETION_UNIMPLEMENTED = {**UNIMPLEMENTED, "add_special_tokens": (True,)}
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b and isinstance(a, bool) == isinstance(b, bool)  # True is not 1 here
+
+
+def unimplemented_field(data: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> str | None:
+    """The first field of the raw body ``data`` set to a value this server does not
+    implement (anything but null and the field's "off" values in ``table``)."""
+    for name, off in table.items():
+        value = data.get(name)
+        if value is not None and not any(_same(value, v) for v in off):
+            return name
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -26,20 +83,20 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    n: StrictInt = 1
+    n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    seed: StrictInt | None = None
+    seed: Int | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[Int] | None = None
     temperature: Number | None = None
     top_p: Number | None = None
-    top_k: StrictInt | None = None
+    top_k: Int | None = None
     min_p: Number | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    min_tokens: StrictInt = 0
+    min_tokens: Int = 0
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
@@ -48,7 +105,7 @@ class _SamplingFields(BaseModel):
     # Accepted by OpenAI or vLLM but not implemented here: refused unless left at "off", so
     # that a request never silently gets something else than it asked for.
     logit_bias: dict[str, Any] | None = None
-    best_of: StrictInt | None = None
+    best_of: Int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -88,16 +145,16 @@ class _SamplingFields(BaseModel):
         return SamplingParams(**fields)
 
 
-PromptInput = (StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])
+PromptInput = (StrictStr | list[StrictStr] | list[Int] | list[list[Int]])
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: PromptInput
-    max_tokens: StrictInt | None = 16
+    max_tokens: Int | None = 16
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: Int | None = None
     suffix: StrictStr | None = None
 
 
@@ -124,10 +181,10 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
 
 
@@ -144,4 +201,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
-    tokens: Annotated[list[StrictInt], Field(max_length=1_000_000)]
+    tokens: Annotated[list[Int], Field(max_length=1_000_000)]

@@ -1,0 +1,508 @@
+"""The handlers behind the OpenAI-compatible routes: completions, chat completions, tokenize,
+detokenize and the model list.
+
+Each request is tokenized (chat template included) in a small worker pool, off the event loop
+and off the engine thread, and reaches the engine as token ids; the engine thread only
+schedules and runs the model. A request the engine fails finishes alone: its client gets an
+error (an error event on a stream, 500 otherwise) and every other request goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from pagedserve.inputs import InputProcessor, ProcessedPrompt
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.server.async_engine import AsyncEngine, EngineDeadError, TooManyRequestsError
+from pagedserve.server.errors import RETRY_AFTER_SECONDS, APIError
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+MIN_LOGPROB = -9999.0  # what -inf (and NaN) logprobs are sent as: JSON has no infinities
+# Tokenizer threads: enough that one huge prompt does not hold up the next request's
+# tokenization, few enough to leave the cores to the model.
+NUM_INPUT_WORKERS = 2
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else (MIN_LOGPROB if x < 0 or math.isnan(x) else -MIN_LOGPROB)
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop, and abort their requests, when the client disconnects:
+    the stream runs beside a task listening for ``http.disconnect`` whatever the server's ASGI
+    version (Starlette itself watches only for ASGI < 2.4)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        import anyio
+
+        async with anyio.create_task_group() as tg:
+            async def stream() -> None:
+                await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+def _failed(out: RequestOutput) -> APIError | None:
+    """The error of an output the engine failed (finish_reason "error")."""
+    if out.error is None:
+        return None
+    return APIError(500, f"the request {out.request_id} failed in the engine: {out.error}")
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The final output of a final-only stream."""
+    last = None
+    async for last in stream:  # noqa: B007
+        pass
+    return last
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()  # its requests are aborted; nobody is left to read an answer
+        return Response(status_code=499)
+    return task.result()
+
+
+def _completion_prompts(prompt: Any) -> list[Any]:
+    """The completions ``prompt`` field as a list of engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    return [{"prompt_token_ids": ids} for ids in prompt]
+
+
+def _engine_prompt(p: ProcessedPrompt, cache_salt: str | None) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt": p.text, "prompt_token_ids": p.token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
+def _bad_params(e: ValueError, body: Any) -> APIError:
+    """A SamplingParams error as a 400 whose ``param`` is the field its message starts with."""
+    name = str(e).split(" ", 1)[0].rstrip(":").split("=", 1)[0]
+    return APIError.bad_input(e, name if name in type(body).model_fields else None)
+
+
+class OpenAIServing:
+    """The handlers and their shared state: the engine thread, the input processor (used in
+    a worker pool), the model's name and limits."""
+
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str):
+        self.engine = async_engine
+        self.model_name = served_model_name
+        engine = async_engine.engine
+        self.inputs: InputProcessor = engine.input_processor
+        self.max_model_len = engine.scheduler_config.max_model_len
+        self.created = int(time.time())
+        self.pool = concurrent.futures.ThreadPoolExecutor(NUM_INPUT_WORKERS,
+                                                          thread_name_prefix="pagedserve-input")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- shared pieces --------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, param: str | None = None
+                       ) -> Any:
+        """``fn(*args)`` in the input worker pool; its ValueError becomes a 400."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.pool, functools.partial(fn, *args))
+        except ValueError as e:
+            raise APIError.bad_input(e, param) from None
+
+    async def add(self, requests: list[tuple[str, dict, SamplingParams]]
+                  ) -> list[AsyncIterator[RequestOutput]]:
+        try:
+            return await self.engine.add(requests)
+        except ValueError as e:
+            raise APIError.bad_input(e) from None
+        except TooManyRequestsError as e:
+            raise APIError(429, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+                           ) from None
+
+    def guard(self, gen: AsyncIterator[str], ids: list[str]) -> AsyncIterator[str]:
+        """An SSE stream that ends with an error event if the engine fails, and aborts its
+        requests however it ends."""
+        async def guarded():
+            try:
+                async for chunk in gen:
+                    yield chunk
+            except (EngineDeadError, APIError) as e:
+                err = e if isinstance(e, APIError) else APIError(503, str(e))
+                yield _sse(err.body())
+                yield DONE
+            finally:
+                for i in ids:
+                    self.engine.abort(i)
+        return guarded()
+
+    async def guard_await(self, work: Awaitable[Any], ids: list[str]) -> Any:
+        try:
+            return await work
+        finally:
+            for i in ids:
+                self.engine.abort(i)
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    @staticmethod
+    def completion_logprobs(c: CompletionOutput, offset: int) -> dict:
+        """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            text = entry[token_id].decoded_token or ""
+            tokens.append(text)
+            token_logprobs.append(_finite(entry[token_id].logprob))
+            top.append({(lp.decoded_token or ""): _finite(lp.logprob)
+                        for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    @staticmethod
+    def chat_logprobs(c: CompletionOutput, top_k: int) -> list[dict]:
+        """The ``logprobs.content`` entries of a chat choice, one per token."""
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            chosen = entry[token_id]
+            text = chosen.decoded_token or ""
+            alternatives = sorted((lp for lp in entry.values() if lp.rank <= top_k),
+                                  key=lambda lp: lp.rank)[:top_k]
+            content.append({
+                "token": text, "logprob": _finite(chosen.logprob),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [{"token": lp.decoded_token or "",
+                                  "logprob": _finite(lp.logprob),
+                                  "bytes": list((lp.decoded_token or "").encode("utf-8"))}
+                                 for lp in alternatives]})
+        return content
+
+    # ---- GET /v1/models --------------------------------------------------------------------
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "pagedserve", "root": self.model_name,
+                "max_model_len": self.max_model_len}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, model_id: str) -> dict:
+        self.check_model(model_id)
+        return self.model_card()
+
+    # ---- POST /tokenize, /detokenize -----------------------------------------------------
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either 'prompt' or 'messages'")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            _, tokens = await self.off_loop(self.inputs.render_chat, messages, param="messages")
+        else:
+            tokens = await self.off_loop(self.inputs.tokenize, body.prompt,
+                                         body.add_special_tokens, param="prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+
+        def run() -> str:
+            self.inputs.check_token_ids(body.tokens)
+            if self.inputs.tokenizer is None:
+                raise ValueError("the server runs without a tokenizer")
+            return self.inputs.tokenizer.decode(body.tokens)
+
+        return {"prompt": await self.off_loop(run, param="tokens")}
+
+    # ---- POST /v1/completions ------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self.check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = _completion_prompts(body.prompt)
+        max_tokens = body.max_tokens
+        if max_tokens is not None and max_tokens < 0:
+            raise APIError(400, f"max_tokens must be at least 0, got {max_tokens}",
+                           param="max_tokens")
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo)",
+                           param="max_tokens")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported",
+                           param="logprobs")
+        processed = [await self.off_loop(self.inputs.process_prompt, p, param="prompt")
+                     for p in prompts]
+        if max_tokens == 0:
+            return self._echo_only(body, processed)
+        try:
+            params = body.sampling_params(max_tokens, body.logprobs)
+        except ValueError as e:
+            raise _bad_params(e, body) from None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        ids = [f"{rid}-{i}" for i in range(len(prompts))]
+        streams = await self.add([(i, _engine_prompt(p, body.cache_salt), params)
+                                  for i, p in zip(ids, processed)])
+        if body.stream:
+            return EventStream(self.guard(self._stream_completion(body, rid, streams), ids))
+        return await _unless_disconnected(request, self.guard_await(
+            self._full_completion(body, rid, streams), ids))
+
+    def _echo_only(self, body: CompletionRequest, processed: list[ProcessedPrompt]) -> Any:
+        tokenizer = self.inputs.tokenizer
+        texts = [p.text if p.text is not None else
+                 (tokenizer.decode(p.token_ids) if tokenizer is not None else "")
+                 for p in processed]
+        choices = [{"index": i * body.n + k, "text": text, "logprobs": None,
+                    "finish_reason": "length", "stop_reason": None}
+                   for i, text in enumerate(texts) for k in range(body.n)]
+        response = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                    "created": int(time.time()), "model": self.model_name,
+                    "choices": choices,
+                    "usage": self.usage(sum(len(p.token_ids) for p in processed), 0, 0)}
+        if not body.stream:
+            return response
+
+        async def events():
+            head = {k: response[k] for k in ("id", "object", "created", "model")}
+            for choice in choices:
+                yield _sse({**head, "choices": [choice]})
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": response["usage"]})
+            yield DONE
+
+        return EventStream(events())
+
+    async def _full_completion(self, body: CompletionRequest, rid: str, streams) -> dict:
+        outs: list[RequestOutput] = await asyncio.gather(*(_last(s) for s in streams))
+        for out in outs:
+            if (err := _failed(out)) is not None:
+                raise err
+        choices = []
+        for i, out in enumerate(outs):
+            prefix = (out.prompt or "") if body.echo else ""
+            for c in out.outputs:
+                choices.append({
+                    "index": i * body.n + c.index, "text": prefix + c.text,
+                    "logprobs": self.completion_logprobs(c, len(prefix))
+                    if body.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": self.usage(sum(len(o.prompt_token_ids) for o in outs),
+                                    sum(len(c.token_ids) for o in outs for c in o.outputs),
+                                    sum(o.num_cached_tokens for o in outs))}
+
+    async def _stream_completion(self, body: CompletionRequest, rid: str, streams):
+        created = int(time.time())
+        prompt_tokens = completion_tokens = cached = 0
+        offsets: dict[int, int] = {}
+
+        def chunk(index: int, text: str, logprobs, finish_reason, stop_reason) -> str:
+            return _sse({"id": rid, "object": "text_completion", "created": created,
+                         "model": self.model_name,
+                         "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                      "finish_reason": finish_reason,
+                                      "stop_reason": stop_reason}]})
+
+        started: set[int] = set()
+        async for i, out in _merged(streams):
+            if (err := _failed(out)) is not None:
+                raise err
+            if i not in started:
+                started.add(i)
+                prompt_tokens += len(out.prompt_token_ids)
+                cached += out.num_cached_tokens
+                if body.echo:
+                    for k in range(body.n):
+                        offsets[i * body.n + k] = len(out.prompt or "")
+                        yield chunk(i * body.n + k, out.prompt or "", None, None, None)
+            for c in out.outputs:
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                index = i * body.n + c.index
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self.completion_logprobs(c, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(c.text)
+                yield chunk(index, c.text, logprobs, c.finish_reason, c.stop_reason)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": self.model_name, "choices": [],
+                        "usage": self.usage(prompt_tokens, completion_tokens, cached)})
+        yield DONE
+
+    # ---- POST /v1/chat/completions -------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+        self.check_model(body.model)
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        field = "max_completion_tokens" if body.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = getattr(body, field)
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{field} must be at least 1, got {max_tokens}", param=field)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                f"{body.top_logprobs}", param="top_logprobs")
+        top_k = body.top_logprobs or 0
+        try:
+            params = body.sampling_params(max_tokens, top_k if body.logprobs else None)
+        except ValueError as e:
+            raise _bad_params(e, body) from None
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text, ids = await self.off_loop(self.inputs.render_chat, messages,
+                                        body.add_generation_prompt, param="messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = _engine_prompt(ProcessedPrompt(text, ids, None), body.cache_salt)
+        (stream,) = await self.add([(rid, prompt, params)])
+        if body.stream:
+            return EventStream(self.guard(self._stream_chat(body, rid, stream, top_k), [rid]))
+        return await _unless_disconnected(request, self.guard_await(
+            self._full_chat(body, rid, stream, top_k), [rid]))
+
+    async def _full_chat(self, body: ChatCompletionRequest, rid: str, stream, top_k: int
+                         ) -> dict:
+        out = await _last(stream)
+        if (err := _failed(out)) is not None:
+            raise err
+        choices = [{"index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": {"content": self.chat_logprobs(c, top_k)}
+                    if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": self.usage(len(out.prompt_token_ids),
+                                    sum(len(c.token_ids) for c in out.outputs),
+                                    out.num_cached_tokens)}
+
+    async def _stream_chat(self, body: ChatCompletionRequest, rid: str, stream, top_k: int):
+        created = int(time.time())
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": self.model_name, "choices": choices, **extra})
+
+        yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for k in range(body.n)])
+        prompt_tokens = completion_tokens = cached = 0
+        # Tokens whose text is held back (a partial character or stop-string prefix) send
+        # nothing until there is text: their logprobs wait here for the next chunk.
+        held: dict[int, list[dict]] = {}
+        async for out in stream:
+            if (err := _failed(out)) is not None:
+                raise err
+            prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                if body.logprobs:
+                    held.setdefault(c.index, []).extend(self.chat_logprobs(c, top_k))
+                if not c.text and c.finish_reason is None:
+                    continue
+                logprobs = {"content": held.pop(c.index, [])} if body.logprobs else None
+                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                              "logprobs": logprobs, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], usage=self.usage(prompt_tokens, completion_tokens, cached))
+        yield DONE
+
+
+async def _merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
