@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -220,3 +223,54 @@ def write_llama_gguf(hf_dir: str, path: str, qtype_name: str) -> str:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+MODEL = "tiny"  # the served model name of LiveServer
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 (a free port) in a thread, serving ``engine``."""
+
+    def __init__(self, engine, **app_kwargs):
+        import uvicorn
+
+        from pagedserve.server import build_app
+
+        self.engine = engine
+        self.app = build_app(engine, MODEL, **app_kwargs)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"),
+                             max_retries=0, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive()
+
+    def idle(self, timeout: float = 2.0) -> float:
+        """Seconds until no request runs and no block is in use (AssertionError after
+        ``timeout``)."""
+        t0 = time.time()
+        while True:
+            sched = self.engine.scheduler
+            busy = sched.running or sched.waiting or sched.swapped
+            used = self.engine.block_manager.pool.num_used_blocks
+            if not busy and used == 0:
+                return time.time() - t0
+            assert time.time() - t0 < timeout, f"{len(sched.running)} running, {used} blocks used"
+            time.sleep(0.01)

@@ -22,12 +22,24 @@ def ops(request):
     portable loops beside the intrinsics are tested too."""
     if request.param == "native":
         return NATIVE
-    return kernels.build(kernels._build_name() + "_portable", "pagedserve_portable",
-                         ("-mno-avx512f",))
+    flags = ("-mno-avx512f",)
+    return kernels.build(kernels._build_name(flags), "pagedserve_portable", flags)
 
 
 def test_kernels_build():
     assert NATIVE is not None, "the CPU kernels did not build (see the log)"
+
+
+def test_build_name_changes_with_source_and_flags(monkeypatch, tmp_path):
+    """The compiled-kernel cache is keyed by the source and the flags: another checkout's
+    source (or another flag set) never loads or overwrites this one's binary."""
+    name = kernels._build_name()
+    assert kernels._build_name() == name
+    assert kernels._build_name(("-mno-avx512f",)) != name
+    other = tmp_path / "cpu_ops.cpp"
+    other.write_text(kernels.SOURCE.read_text() + "\n// another version\n")
+    monkeypatch.setattr(kernels, "SOURCE", other)
+    assert kernels._build_name() != name
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

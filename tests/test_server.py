@@ -5,60 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from _helpers import MODEL, LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve import LLMEngine
-from pagedserve.server import build_app
-
-MODEL = "tiny"
-
-
-class LiveServer:
-    def __init__(self, engine: LLMEngine, **app_kwargs):
-        self.engine = engine
-        self.app = build_app(engine, MODEL, **app_kwargs)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"),
-                             max_retries=0, timeout=kwargs.pop("timeout", 60), **kwargs)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        assert not self.thread.is_alive()
-
-    def idle(self, timeout: float = 2.0) -> float:
-        """Seconds until no request runs and no block is in use (AssertionError after
-        ``timeout``)."""
-        t0 = time.time()
-        while True:
-            sched = self.engine.scheduler
-            busy = sched.running or sched.waiting or sched.swapped
-            used = self.engine.block_manager.pool.num_used_blocks
-            if not busy and used == 0:
-                return time.time() - t0
-            assert time.time() - t0 < timeout, f"{len(sched.running)} running, {used} blocks used"
-            time.sleep(0.01)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])

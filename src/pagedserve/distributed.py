@@ -37,11 +37,26 @@ from pagedserve.config import ModelConfig
 logger = logging.getLogger("pagedserve")
 
 
+# A collective's wait for a silent peer. Generous, because a slow step or a slow model load
+# on oversubscribed cores is not a dead worker, and a dead local worker is noticed within a
+# second anyway (Driver._watch); only a hung remote rank waits this long.
+DEFAULT_TP_TIMEOUT_SECONDS = 600.0
+
+
 def _timeout() -> datetime.timedelta:
-    """How long a collective waits for a silent peer (PAGEDSERVE_TP_TIMEOUT seconds, default
-    120; a dead local worker is noticed within a second regardless). Idle workers are pinged
-    (Driver._heartbeat), so waiting for the next step never hits it."""
-    return datetime.timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_TIMEOUT", 120)))
+    """How long start-up and each collective wait for a silent peer: PAGEDSERVE_TP_TIMEOUT
+    seconds, default DEFAULT_TP_TIMEOUT_SECONDS. Idle workers are pinged
+    (Driver._heartbeat), so waiting for the next step never hits it. Raises ValueError for a
+    value that is not a positive number."""
+    raw = os.environ.get("PAGEDSERVE_TP_TIMEOUT", "")
+    try:
+        seconds = float(raw) if raw.strip() else DEFAULT_TP_TIMEOUT_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"PAGEDSERVE_TP_TIMEOUT must be a positive number of seconds, "
+                         f"got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 class WorkerDiedError(RuntimeError):
@@ -184,6 +199,7 @@ class Driver:
             raise ValueError("another tensor-parallel engine is running in this process; call "
                              "its llm_engine.shutdown() first (torch.distributed has one "
                              "default group per process)")
+        _timeout()  # a bad PAGEDSERVE_TP_TIMEOUT fails here, before any worker starts
         self.world_size = world_size
         self.procs: list[subprocess.Popen] = []
         self.dead: str | None = None

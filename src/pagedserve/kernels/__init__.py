@@ -45,17 +45,25 @@ ENV = "PAGEDSERVE_CPU_KERNELS"
 STALE_LOCK_SECONDS = 300
 
 
-def _build_name() -> str:
-    """The extension's name, unique to this CPU's instruction set: the build uses
-    ``-march=native``, and a cache directory shared by two machines must not hand one's
-    binary to the other."""
-    flags = ""
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def _build_name(extra_flags: tuple[str, ...] = ()) -> str:
+    """The extension's name: a hash of everything the binary depends on (this CPU's
+    instruction set, since the build uses ``-march=native``; the kernel source; the compiler
+    and its flags; torch's version). Two checkouts or versions on one machine, or two
+    machines sharing a cache directory, then never load or rebuild each other's binary."""
+    cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            cpu = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    return f"pagedserve_cpu_ops_{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    h = hashlib.sha256()
+    for part in (cpu, SOURCE.read_text(), os.environ.get("CXX", "c++"), torch.__version__,
+                 *BASE_FLAGS, *extra_flags):
+        h.update(part.encode() + b"\0")
+    return f"pagedserve_cpu_ops_{h.hexdigest()[:16]}"
 
 
 def _wait_for_build_lock(lock: Path) -> None:
@@ -93,7 +101,7 @@ def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...]
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja not found (pip install ninja)")
     _wait_for_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
-    flags = ["-O3", "-march=native", "-fopenmp", f"-DOPS_NAMESPACE={namespace}", *extra_flags]
+    flags = [*BASE_FLAGS, f"-DOPS_NAMESPACE={namespace}", *extra_flags]
     cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)

@@ -125,9 +125,12 @@ def _engine_prompt(p: ProcessedPrompt, cache_salt: str | None) -> dict[str, Any]
     return prompt
 
 
-def _bad_params(e: ValueError, body: Any) -> APIError:
-    """A SamplingParams error as a 400 whose ``param`` is the field its message starts with."""
+def _bad_params(e: ValueError, body: Any, sent_as: str | None = None) -> APIError:
+    """A SamplingParams error as a 400 whose ``param`` is the field its message starts with
+    (``max_tokens`` named ``sent_as`` when the client sent it under that name)."""
     name = str(e).split(" ", 1)[0].rstrip(":").split("=", 1)[0]
+    if sent_as is not None and name == "max_tokens":
+        return APIError(400, str(e).replace("max_tokens", sent_as, 1), param=sent_as)
     return APIError.bad_input(e, name if name in type(body).model_fields else None)
 
 
@@ -414,7 +417,7 @@ class OpenAIServing:
         try:
             params = body.sampling_params(max_tokens, top_k if body.logprobs else None)
         except ValueError as e:
-            raise _bad_params(e, body) from None
+            raise _bad_params(e, body, field) from None
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         text, ids = await self.off_loop(self.inputs.render_chat, messages,
                                         body.add_generation_prompt, param="messages")
