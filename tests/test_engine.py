@@ -27,7 +27,8 @@ def texts(outs):
 
 @pytest.mark.parametrize("prompt, params, match", [
     ("", GREEDY, "empty"),
-    ("word " * 200, GREEDY, r"maximum context length is 128 tokens. However, your prompt has \d+ tokens\. "),
+    ("word " * 120, GREEDY, r"maximum context length is 128 tokens. However, your prompt has \d+ tokens\. "),
+    ("word " * 200, GREEDY, r"your prompt has 1000 characters, more than any prompt of 128 tokens"),
     ("hello", SamplingParams(max_tokens=125), r"context length is 128 tokens. However, you requested 1\d\d tokens \(\d+ in the messages, 125 in the completion\)"),
     ({"prompt_token_ids": [5, 9999]}, GREEDY, "outside the vocabulary"),
     ({"prompt_token_ids": "abc"}, GREEDY, "list of integers"),
