@@ -15,16 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
+from common import chats, decode_rate, text_logprobs, text_windows
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kv_quant import chats, text_logprobs, text_windows  # noqa: E402
-from roofline import decode_rate  # noqa: E402
-
-from pagedserve import LLM  # noqa: E402
+from pagedserve import LLM
 
 
 def main() -> None:

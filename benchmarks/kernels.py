@@ -19,11 +19,9 @@ import sys
 from pathlib import Path
 
 import torch
+from common import decode_rate, positive
 
-sys.path.insert(0, str(Path(__file__).parent))
-from roofline import decode_rate, positive  # noqa: E402
-
-from pagedserve import LLM, kernels  # noqa: E402
+from pagedserve import LLM, kernels
 
 MODES = ("packed", "kernels", "torch")  # packed: what the engine runs
 

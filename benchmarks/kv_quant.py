@@ -27,62 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from corpus import english_text  # noqa: E402
+from common import chats, text_logprobs, text_windows
 
-from pagedserve import LLM, SamplingParams, planner  # noqa: E402
-from pagedserve.loader.default_model import default_model_path  # noqa: E402
+from pagedserve import LLM, SamplingParams, planner
+from pagedserve.loader.default_model import default_model_path
 
-QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in two sentences.",
-    "Write a haiku about the sea.", "How do I reverse a list in Python?",
-    "What causes the seasons on Earth?", "Give me three tips for better sleep.",
-    "What is the difference between a virus and a bacterium?",
-    "Summarize the plot of Romeo and Juliet.", "How does a refrigerator keep food cold?",
-    "What is 17 times 23?", "Name three famous painters and one work by each.",
-    "Why is the sky blue?", "Write a short thank-you note to a teacher.",
-    "What is a prime number? Give examples.", "How do vaccines work?",
-    "Describe a healthy breakfast.", "What are the main causes of climate change?",
-    "Translate 'good morning' into Spanish, French and German.",
-    "What is the Pythagorean theorem?", "How can I improve my public speaking?",
-    "Explain what an API is to a beginner.", "What is the tallest mountain in the world?",
-    "Suggest a name for a coffee shop and explain it.", "How do plants drink water?",
-    "What is the difference between weather and climate?",
-    "Write two sentences about the history of the bicycle.",
-    "What should I pack for a weekend hiking trip?", "How does the internet work, briefly?",
-    "What is machine learning?", "Give a recipe for a simple tomato soup.",
-    "Why do cats purr?", "What are the planets of the solar system?",
-]
 MODES = ("float32", "bfloat16", "float16", "int8", "fp8")
-
-
-def text_windows(tokenizer, num_tokens: int, window: int) -> list[list[int]]:
-    ids = tokenizer.encode(english_text())
-    need = math.ceil(num_tokens / (window - 1)) * window
-    if need > len(ids):
-        raise SystemExit(f"the corpus has {len(ids)} tokens, {need} needed")
-    return [ids[i:i + window] for i in range(0, need, window)]
-
-
-def text_logprobs(llm: LLM, windows: list[list[int]]) -> list[float]:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
-    return [entry[w[pos]].logprob for w, o in zip(windows, outs)
-            for pos, entry in enumerate(o.prompt_logprobs) if entry is not None]
-
-
-def chats(llm: LLM, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
-    outs = llm.chat(convs, params, use_tqdm=False)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                for o in outs]
-    return tokens, logprobs
 
 
 def decode_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int = 64) -> float:

@@ -15,15 +15,13 @@ concurrency of contiguous.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from throughput import make_workload  # noqa: E402
+from common import make_workload
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.sampling_params import RequestOutputKind  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import RequestOutputKind
 
 
 def run(model: str, work, mode: str, args) -> dict:

@@ -11,14 +11,11 @@ and the speed-up (target: at least 5x with caching on).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from corpus import english_paragraphs  # noqa: E402
+from common import english_paragraphs
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve import LLM, SamplingParams
 
 
 def make_prompts(tokenizer, num_requests: int, prefix_tokens: int) -> list[dict]:

@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import commit_kv_cache, decode_rate, positive
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from pagedserve.model.layers import pack_linear_weight
 
 
@@ -110,44 +111,6 @@ def flops_per_token(cfg, context: float) -> float:
     matmul = sum(k * n * times for _, k, n, times in weight_shapes(cfg))
     attention = 4 * context * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     return 2 * matmul + attention
-
-
-def decode_rate(llm: LLM, batch: int, prompt_len: int = 64, decode_tokens: int = 32) -> dict:
-    """Tokens/s of ``batch`` sequences decoding together, prefill excluded (shared by the
-    other benchmarks' batch sweeps)."""
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)
-    for i in range(batch):
-        prompt = [(7 * i + 13 * j) % 1000 + 100 for j in range(prompt_len)]
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()  # prefills (and first tokens)
-    steps, t0 = 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    elapsed = time.perf_counter() - t0
-    return {"tokens_per_s": batch * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
-            "context": prompt_len + 1 + steps / 2}
-
-
-def positive(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def commit_kv_cache(llm: LLM) -> None:
-    """Touch every page of the engine's KV cache once, its contents unchanged, as a serving
-    process does in its first minutes. The CPU cache is committed lazily, so a fresh process's
-    first write into a never-used block faults its pages in: at batch 64 with huge pages, about
-    23 ms at each step that opens new blocks (every 16 steps), paid once per page."""
-    cache = llm.llm_engine.kv_cache
-    for t in (cache.kv, cache.scales):
-        if t is not None:
-            t.view(torch.uint8).mul_(1)  # byte-wise: the same for every cache dtype
 
 
 def main() -> None:

@@ -33,10 +33,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).parent))
-from corpus import english_text  # noqa: E402
-from throughput import lognormal_lengths  # noqa: E402
+from common import english_text, lognormal_lengths, results_path
 
 
 def hf_dir_from_gguf(gguf: Path) -> Path:
@@ -190,7 +187,7 @@ def main() -> None:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-pagedserve", action="store_true")
     ap.add_argument("--port", type=int, default=8431)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results-serving.json"))
+    ap.add_argument("--out", default=results_path("serving.json"))
     ap.add_argument("--summarize", metavar="JSON", help="only print the summary of a results file")
     args = ap.parse_args()
     if args.summarize:

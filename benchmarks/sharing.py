@@ -22,17 +22,12 @@ saving grows with the prompt's share of each sequence and with the width.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import english_text, lognormal_lengths
 
-sys.path.insert(0, str(Path(__file__).parent))
-from corpus import english_text  # noqa: E402
-from throughput import lognormal_lengths  # noqa: E402
-
-from pagedserve import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 
 WORKLOADS = {"Alpaca-like": (20, 64), "ShareGPT-like": (160, 128)}  # mean prompt, output len
 

@@ -31,35 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import decode_rate, make_workload
 
-sys.path.insert(0, str(Path(__file__).parent))
-from corpus import english_text  # noqa: E402
-from roofline import decode_rate  # noqa: E402
-
-from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve import LLM, SamplingParams
 
 PEERS = ("hf_static", "hf_cb", "llama_cpp")
 BATCHES = (1, 8, 32, 64)
-
-
-def lognormal_lengths(rng, n: int, mean: float, sigma: float = 0.8) -> list[int]:
-    mu = np.log(mean) - sigma**2 / 2  # so that the (unclipped) mean is ``mean``
-    return np.clip(rng.lognormal(mu, sigma, n).round(), 8, 1024).astype(int).tolist()
-
-
-def make_workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """n (prompt token ids, output length) pairs in arrival order."""
-    rng = np.random.default_rng(seed)
-    prompt_lens = lognormal_lengths(rng, n, 160)
-    output_lens = lognormal_lengths(rng, n, 340)
-    corpus = tokenizer.encode(english_text())
-    work, offset = [], 0
-    for p, o in zip(prompt_lens, output_lens):
-        if offset + p > len(corpus):
-            offset = 0
-        work.append((corpus[offset:offset + p], o))
-        offset += p
-    return work
 
 
 def synthetic_prompts(batch: int, length: int = 64) -> list[list[int]]:

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(NATIVE is None and kernels.os.environ.get(kernel
                                 reason="PAGEDSERVE_CPU_KERNELS=0")
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module",
+                params=["native", pytest.param("portable", marks=pytest.mark.slow)])
 def ops(request):
     """The kernels as the engine loads them (AVX-512 here), and built without AVX-512, so the
     portable loops beside the intrinsics are tested too."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import threading
 import time
@@ -18,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve import LLMEngine, SamplingParams
-from pagedserve import engine as engine_mod
+from pagedserve import sampler as sampler_mod
 from pagedserve.inputs import ContextLengthError
+from pagedserve.output_processor import OutputProcessor
 
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = {"good": "the quick brown fox jumps over the lazy dog",
@@ -71,26 +71,27 @@ def test_a_failure_in_one_request_finishes_only_that_request(engine, monkeypatch
     params = SamplingParams(logprobs=2, **GREEDY)
     ref = _reference(engine, params)
     if where == "logprobs":
-        monkeypatch.setattr(LLMEngine, "_record_logprobs",
-                            _fail_for("bad", LLMEngine._record_logprobs))
+        monkeypatch.setattr(OutputProcessor, "record_logprobs",
+                            _fail_for("bad", OutputProcessor.record_logprobs))
     elif where == "stop_check":
-        monkeypatch.setattr(LLMEngine, "_check_stop", _fail_for("bad", LLMEngine._check_stop))
+        monkeypatch.setattr(OutputProcessor, "check_stop",
+                            _fail_for("bad", OutputProcessor.check_stop))
     elif where == "output":
-        original = LLMEngine._make_output
+        original = OutputProcessor.make_output
 
         def make_output(self, request):
             if request.request_id == "bad":
                 raise RuntimeError("injected failure")
             return original(self, request)
-        monkeypatch.setattr(LLMEngine, "_make_output", make_output)
+        monkeypatch.setattr(OutputProcessor, "make_output", make_output)
     else:  # the batched sampler fails whenever the bad request is in the batch
-        original = engine_mod.build_sampling_metadata
+        original = sampler_mod.build_sampling_metadata
 
         def metadata(seqs, *args):
             if any(s.request.request_id == "bad" for s in seqs):
                 raise RuntimeError("injected failure")
             return original(seqs, *args)
-        monkeypatch.setattr(engine_mod, "build_sampling_metadata", metadata)
+        monkeypatch.setattr(sampler_mod, "build_sampling_metadata", metadata)
     outs = _run(engine, {"good": (PROMPTS["good"], params), "bad": (PROMPTS["bad"], params),
                          "n2": (PROMPTS["good"], SamplingParams(n=2, **GREEDY))})
     bad = outs["bad"]
@@ -345,13 +346,13 @@ def test_a_request_the_engine_fails_gets_an_error_and_the_others_go_on(server, m
     body = {**OK, "prompt": PROMPTS["good"], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
     ref = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
-    original = LLMEngine._make_output
+    original = OutputProcessor.make_output
 
     def make_output(self, request):
         if request.prompt == PROMPTS["bad"]:
             raise RuntimeError("injected failure")
         return original(self, request)
-    monkeypatch.setattr(LLMEngine, "_make_output", make_output)
+    monkeypatch.setattr(OutputProcessor, "make_output", make_output)
     bad = {**body, "prompt": PROMPTS["bad"]}
 
     async def together():
@@ -442,6 +443,7 @@ def test_a_slow_tokenization_runs_off_the_engine_loop(paced_server, monkeypatch)
     assert gap < 1.0
 
 
+@pytest.mark.slow  # importing litellm takes seconds
 @pytest.mark.filterwarnings("ignore::UserWarning")  # litellm's own pydantic warnings
 def test_litellm_raises_context_window_exceeded(server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
@@ -453,12 +455,13 @@ def test_litellm_raises_context_window_exceeded(server, monkeypatch):
 
 
 def test_tp_timeout_is_generous_and_checked(monkeypatch):
-    from pagedserve import distributed
+    from pagedserve import envs
 
     monkeypatch.delenv("PAGEDSERVE_TP_TIMEOUT", raising=False)
-    assert distributed._timeout().total_seconds() == distributed.DEFAULT_TP_TIMEOUT_SECONDS
+    assert envs.tp_timeout() == envs.DEFAULT_TP_TIMEOUT_SECONDS == 600
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "30")
+    assert envs.tp_timeout() == 30
     for bad in ("0", "-5", "abc", "inf", "nan"):
         monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", bad)
         with pytest.raises(ValueError, match="PAGEDSERVE_TP_TIMEOUT"):
-            distributed._timeout()
-    assert math.isfinite(distributed.DEFAULT_TP_TIMEOUT_SECONDS)
+            envs.tp_timeout()

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve import LLMEngine
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)],
+                ids=["tp1", "tp2"])
 def server(tiny_llama, request):
     """The openai-client tests run against one engine process and against two tensor-parallel
     workers (the tiny Llama's 2 KV heads, one per rank)."""
@@ -454,18 +455,21 @@ def _send(server, path: str, body: dict) -> None:
         assert "error" in json.loads(payload)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_COMPLETION)
 def test_fuzz_completions(fuzz_server, body):
     _send(fuzz_server, "/v1/completions", body)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_CHAT)
 def test_fuzz_chat(fuzz_server, body):
     _send(fuzz_server, "/v1/chat/completions", body)
 
 
+@pytest.mark.slow
 def test_server_is_clean_after_fuzzing(fuzz_server):
     fuzz_server.idle()
     client = fuzz_server.client()
@@ -475,6 +479,7 @@ def test_server_is_clean_after_fuzzing(fuzz_server):
 # ---- the CLI --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pagedserve_serve_prints_url_serves_and_stops_on_sigterm(tiny_llama):
     import os
     import re

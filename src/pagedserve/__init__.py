@@ -1,25 +1,39 @@
-"""pagedserve: an LLM inference and serving engine built around a paged KV cache."""
+"""pagedserve: an LLM inference and serving engine built around a paged KV cache.
 
+The public names load on first use, so that torch-free commands (``pagedserve --help``,
+``pagedserve plan``) do not import torch.
+"""
+
+import importlib as _importlib
 import logging as _logging
-import os as _os
 
-from pagedserve.engine import LLM, LLMEngine
-from pagedserve.outputs import (
-    BeamSearchOutput,
-    BeamSearchSequence,
-    CompletionOutput,
-    KVCacheStats,
-    Logprob,
-    RequestOutput,
-)
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve import envs as _envs
 
-__all__ = [
-    "LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput",
-    "CompletionOutput", "Logprob", "KVCacheStats", "BeamSearchParams", "BeamSearchOutput",
-    "BeamSearchSequence",
-]
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pagedserve.llm", "LLMEngine": "pagedserve.engine", "EngineArgs": "pagedserve.config",
+    "SamplingParams": "pagedserve.sampling_params",
+    "RequestOutputKind": "pagedserve.sampling_params",
+    "BeamSearchParams": "pagedserve.sampling_params", "RequestOutput": "pagedserve.outputs",
+    "CompletionOutput": "pagedserve.outputs", "Logprob": "pagedserve.outputs",
+    "KVCacheStats": "pagedserve.outputs", "BeamSearchOutput": "pagedserve.outputs",
+    "BeamSearchSequence": "pagedserve.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
 
 # Like vLLM, log start-up facts (KV cache size, capacity) to stderr unless the application
 # configured logging itself; PAGEDSERVE_LOGGING_LEVEL sets the level (default INFO).
@@ -29,5 +43,5 @@ if not _logger.handlers:
     _handler.setFormatter(_logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s",
                                              "%H:%M:%S"))
     _logger.addHandler(_handler)
-    _logger.setLevel(_os.environ.get("PAGEDSERVE_LOGGING_LEVEL", "INFO").upper())
+    _logger.setLevel(_envs.logging_level())
     _logger.propagate = False

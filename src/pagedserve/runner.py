@@ -3,8 +3,9 @@ forward -> logits of the sequences that sample (and of the prompt positions of r
 asked for prompt logprobs).
 
 Tokens of a step are laid out decodes first, sorted by context length and cut into groups of
-similar length, then the prefill chunks (see attention/metadata.py). Only the rows of requests whose scheduled chunk reaches their last token are projected to
-logits and sampled; a partial prefill chunk only fills the KV cache.
+similar length, then the prefill chunks (see attention/metadata.py). Only the rows of requests
+whose scheduled chunk reaches their last token are projected to logits and sampled; a partial
+prefill chunk only fills the KV cache.
 """
 
 from __future__ import annotations
@@ -72,6 +73,40 @@ class ModelInput:
     prompt_rows: list[int] = field(default_factory=list)
 
 
+def prepare_input(sched: SchedulerOutput, block_size: int
+                  ) -> tuple[ModelInput, ModelRunnerOutput]:
+    """Lay out one scheduled batch: the step's ModelInput (token ids, positions, the KV slot
+    of each token from its sequence's block table, attention groups, the rows to project to
+    logits), and an output naming the sequences whose logits it will carry (not yet
+    filled). Reads the sequences; changes none."""
+    out = ModelRunnerOutput()
+    inp = ModelInput(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+    groups = split_decodes([(s, n) for s, n in sched.scheduled if n == 1])
+    prefills = [(s, n) for s, n in sched.scheduled if n > 1]
+    if prefills:
+        groups.append(prefills)
+    bs = block_size
+    input_ids, positions, slots = inp.input_ids, inp.positions, inp.slot_mapping
+    for seq, n in (item for group in groups for item in group):
+        start = seq.num_computed_tokens
+        num_prompt = len(seq.request.prompt_token_ids)
+        if seq.request.prompt_logprobs is not None and seq.index == 0 \
+                and start < num_prompt - 1:
+            count = min(start + n, num_prompt - 1) - start
+            out.prompt_rows.append((seq, start, count))
+            inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
+        input_ids.extend(seq.token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        table = seq.block_table
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        if start + n == seq.num_tokens:
+            inp.sample_rows.append(len(input_ids) - 1)
+            out.sample_seqs.append(seq)
+    inp.groups = [([n for _, n in g], [s.num_computed_tokens + n for s, n in g],
+                   [s.block_table for s, _ in g]) for g in groups]
+    return inp, out
+
+
 class ModelRunner:
     """Runs steps on this process's model and KV cache (under tensor parallelism: this rank's
     shard; the logits come back on rank 0 only)."""
@@ -104,34 +139,7 @@ class ModelRunner:
         return ws
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, ModelRunnerOutput]:
-        """Lay out one scheduled batch: the step's ModelInput, and an output naming the
-        sequences whose logits it will carry (logits not yet filled)."""
-        out = ModelRunnerOutput()
-        inp = ModelInput(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
-        groups = split_decodes([(s, n) for s, n in sched.scheduled if n == 1])
-        prefills = [(s, n) for s, n in sched.scheduled if n > 1]
-        if prefills:
-            groups.append(prefills)
-        bs = self.block_size
-        input_ids, positions, slots = inp.input_ids, inp.positions, inp.slot_mapping
-        for seq, n in (item for group in groups for item in group):
-            start = seq.num_computed_tokens
-            num_prompt = len(seq.request.prompt_token_ids)
-            if seq.request.prompt_logprobs is not None and seq.index == 0 \
-                    and start < num_prompt - 1:
-                count = min(start + n, num_prompt - 1) - start
-                out.prompt_rows.append((seq, start, count))
-                inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == seq.num_tokens:
-                inp.sample_rows.append(len(input_ids) - 1)
-                out.sample_seqs.append(seq)
-        inp.groups = [([n for _, n in g], [s.num_computed_tokens + n for s, n in g],
-                       [s.block_table for s, _ in g]) for g in groups]
-        return inp, out
+        return prepare_input(sched, self.block_size)
 
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:

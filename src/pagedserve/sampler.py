@@ -10,6 +10,7 @@ Logprobs are taken from the raw model logits (before penalties and temperature),
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -184,3 +185,49 @@ class Sampler:
                 top = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
                 out.top_ids, out.top_logprobs = top.indices.tolist(), top.values.tolist()
         return out
+
+
+def sample_requests(sampler: Sampler, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+                    generator: torch.Generator, vocab_size: int, fail
+                    ) -> list[tuple[list[tuple[Sequence, int]], SamplerOutput]]:
+    """Sample ``rows`` (sequence, row of ``logits`` [B, vocab]) in one batch: [(rows, output)].
+    If the batch raises, each request's rows are sampled alone, and ``fail(request, error)``
+    is called for the requests that still raise, so one request's failure is its own."""
+    if not rows:
+        return []
+    try:
+        return [(rows, _sample_rows(sampler, rows, logits, generator, vocab_size))]
+    except Exception:
+        pass
+    groups: dict[int, list[tuple[Sequence, int]]] = {}
+    for seq, i in rows:
+        groups.setdefault(id(seq.request), []).append((seq, i))
+    results = []
+    for group in groups.values():
+        try:
+            results.append((group, _sample_rows(sampler, group, logits, generator, vocab_size)))
+        except Exception as e:
+            fail(group[0][0].request, e)
+    return results
+
+
+def _sample_rows(sampler: Sampler, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+                 generator: torch.Generator, vocab_size: int) -> SamplerOutput:
+    seqs = [s for s, _ in rows]
+    index = [i for _, i in rows]
+    smd = build_sampling_metadata(seqs, vocab_size, logits.device)
+    if index != list(range(logits.shape[0])):  # a copy of [B, vocab] only if needed
+        logits = logits[index]
+    return sampler(logits, smd, generator)
+
+
+def sequence_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The generator of sequence ``index`` of a seeded request: seeded with the request seed
+    itself for 0, else a hash of both, so the n sequences of a seeded request draw
+    independent, reproducible streams."""
+    if index:
+        digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little")
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

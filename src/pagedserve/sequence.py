@@ -15,6 +15,7 @@ host blocks and ``block_table`` is empty.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -143,3 +144,12 @@ class Request:
         if self.beam is not None:
             return self.beam.done
         return bool(self.seqs) and all(s.is_finished for s in self.seqs)
+
+    def finish(self, status: SequenceStatus) -> None:
+        """End every live sequence with ``status`` (aborted, failed); frees are the
+        scheduler's."""
+        for s in self.live_seqs:
+            s.status = status
+        if self.beam is not None:
+            self.beam.done = True
+        self.metrics.finished_time = time.time()

@@ -1,5 +1,7 @@
 """Iteration-level scheduler (continuous batching, Orca, Yu et al., OSDI 2022) with chunked
-prefill, prefix-cache hits and preemption by recompute or swap.
+prefill, prefix-cache hits and preemption by recompute or swap, and the one writer of request
+progress after each step (``update_from_output``: computed tokens, sampled tokens, forks,
+beams, stops, frees).
 
 Each step forms a new batch under two bounds: the running requests' sequences fit in
 ``max_num_seqs`` (a request counts n, or its beam width) and at most ``max_num_batched_tokens``
@@ -14,12 +16,30 @@ blocks, the newest running request is preempted with all its sequences: swapped 
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_manager import BlockManager
 from pagedserve.sequence import Request, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedserve.output_processor import OutputProcessor
+    from pagedserve.sampler import SamplerOutput
+    from pagedserve.stats import StatsTracker
+
+logger = logging.getLogger("pagedserve")
+
+# Makes a request's next sequence: (request, index, token ids) -> Sequence.
+NewSequence = Callable[[Request, int, list[int]], Sequence]
+# Finishes a request whose handling raised, with that error.
+Fail = Callable[[Request, BaseException], None]
 
 
 @dataclass
@@ -49,6 +69,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.preemption_mode = preemption_mode
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in arrival order
@@ -57,6 +78,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found
 
     def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -64,6 +86,13 @@ class Scheduler:
 
     def num_seats(self) -> int:
         return sum(r.max_num_seqs for r in self.running)
+
+    def num_waiting(self, num_new: int = 0) -> tuple[int, int]:
+        """(requests waiting now, and after ``num_new`` more arrive), not counting those the
+        next step can admit into free seats."""
+        free = max(0, self.config.max_num_seqs - self.num_seats())
+        return (max(0, len(self.waiting) - free),
+                max(0, len(self.waiting) + num_new - free))
 
     def _plan(self, request: Request, budget: int) -> list[tuple[Sequence, int, list[int]]]:
         """(sequence, tokens to compute, prefix hits) for the request's live sequences within
@@ -79,6 +108,9 @@ class Scheduler:
             start = len(hits) * bm.block_size if hits else seq.num_computed_tokens
             left = seq.num_tokens - start
             n = min(left, budget)
+            cap = self.config.long_prefill_token_threshold
+            if cap and start < seq.num_prompt_tokens:  # a prefill chunk, not a decode
+                n = min(n, cap)
             if n > 0:
                 planned.append((seq, n, hits, left))
                 budget -= n
@@ -89,7 +121,10 @@ class Scheduler:
         return [(s, n, h) for s, n, h, _ in planned if n > 0]
 
     def _allocate(self, items, out: SchedulerOutput) -> None:
+        now = time.time()
         for seq, n, hits in items:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
             if hits or (seq.num_computed_tokens == 0 and not seq.block_table):
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += len(hits) * self.block_manager.block_size
@@ -173,8 +208,25 @@ class Scheduler:
         """Free a finished sequence's blocks now (its request may still run)."""
         self.block_manager.free(seq)
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop these requests now and free their blocks (unknown ids are ignored)."""
+        aborted = [self.requests[i] for i in request_ids if i in self.requests]
+        for r in aborted:
+            r.finish(SequenceStatus.FINISHED_ABORTED)
+        self.finish_requests(aborted)
+
+    def fail_request(self, request: Request, error: BaseException) -> None:
+        """Finish ``request`` with ``error`` (``finish_reason="error"``) and free its blocks."""
+        logger.error("request %s failed: %s: %s", request.request_id, type(error).__name__,
+                     error, exc_info=error)
+        request.error = f"{type(error).__name__}: {error}"
+        request.finish(SequenceStatus.FINISHED_ERROR)
+        self.finish_requests([request])
+
     def finish_requests(self, requests: list[Request]) -> None:
         """Remove finished or aborted requests from every queue and free all their blocks."""
+        for r in requests:
+            self.requests.pop(r.request_id, None)
         done = {id(r) for r in requests}
         self.running = [r for r in self.running if id(r) not in done]
         self.swapped = [r for r in self.swapped if id(r) not in done]
@@ -183,3 +235,131 @@ class Scheduler:
         for r in requests:
             for s in r.seqs:
                 self.block_manager.free(s)
+
+    def requests_of_failed_step(self, sched: SchedulerOutput) -> list[Request]:
+        """The requests a failed step leaves in doubt: those it scheduled and those it swapped
+        out. Blocks registered in the prefix cache this step never received their K/V, so
+        their hashes are dropped."""
+        requests = {id(s.request): s.request for s, _ in sched.scheduled}
+        requests.update((id(r), r) for r in sched.preempted
+                        if any(s.status == SequenceStatus.SWAPPED for s in r.seqs))
+        for seq, _ in sched.scheduled:
+            self.block_manager.forget_uncomputed(seq)
+        return list(requests.values())
+
+    def check_invariants(self) -> None:
+        """Assert the block pools agree with the live sequences' block tables."""
+        requests = [*self.running, *self.waiting, *self.swapped]
+        seqs = [q for r in requests for q in r.seqs if not q.is_finished]
+        self.block_manager.pool.check_invariants([q.block_table for q in seqs])
+        if self.block_manager.swap_pool is not None:
+            self.block_manager.swap_pool.check_invariants([q.swap_table for q in seqs])
+
+    # ---- after the forward pass: the one writer of request progress -----------------------
+
+    def update_from_output(self, sched: SchedulerOutput) -> None:
+        """The scheduled tokens are computed: advance each sequence past them."""
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+
+    def fork_parallel(self, rows: list[tuple[Sequence, int]], new_sequence: NewSequence,
+                      fail: Fail) -> list[tuple[Sequence, int]]:
+        """``rows`` (sequence, logits row) with the n - 1 children of each n > 1 request at
+        its first token: they share the parent's blocks and sample from its row."""
+        out = []
+        for seq, i in rows:
+            request = seq.request
+            try:
+                if request.params.n > 1 and len(request.seqs) == 1 and seq.num_output_tokens == 0:
+                    for k in range(1, request.params.n):
+                        child = new_sequence(request, k, list(seq.token_ids))
+                        child.status = SequenceStatus.RUNNING
+                        self.block_manager.fork(seq, child)
+                        request.seqs.append(child)
+                        out.append((child, i))
+            except Exception as e:
+                fail(request, e)
+                continue
+            out.append((seq, i))
+        return out
+
+    def append_sampled(self, samples: list[tuple[list[tuple[Sequence, int]], SamplerOutput]],
+                       outputs: OutputProcessor, stats: StatsTracker, fail: Fail) -> None:
+        """Append each sampled token: metrics, logprobs, stop checks (``outputs``), and the
+        sequence's blocks freed when that finished it. A request whose handling raises is
+        failed; the others go on."""
+        now = time.time()
+        for group, out in samples:
+            for j, (seq, _) in enumerate(group):
+                if seq.is_finished:  # its request failed earlier in this step
+                    continue
+                try:
+                    self._append(seq, out, j, now, outputs, stats)
+                except Exception as e:
+                    fail(seq.request, e)
+
+    def _append(self, seq: Sequence, out: SamplerOutput, j: int, now: float,
+                outputs: OutputProcessor, stats: StatsTracker) -> None:
+        token = out.token_ids[j]
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            stats.first_token(metrics, len(seq.request.prompt_token_ids))
+        metrics.last_token_time = now
+        seq.append_token(token)
+        stats.num_generation_tokens += 1
+        metrics.num_generation_tokens = max(metrics.num_generation_tokens,
+                                            seq.num_output_tokens)
+        if out.sampled_logprobs is not None and seq.logprobs is not None:
+            outputs.record_logprobs(seq, out, j)
+        if outputs.check_stop(seq, token):
+            self.block_manager.free(seq)
+
+    def step_beams(self, seqs: list[Sequence], logits: torch.Tensor, new_sequence: NewSequence,
+                   stats: StatsTracker, fail: Fail) -> None:
+        """The beam search requests among ``seqs`` (rows of ``logits``) select their next
+        beams; a request whose selection raises is failed."""
+        row = {id(s): i for i, s in enumerate(seqs)}
+        requests = {id(s.request): s.request for s in seqs if s.request.beam is not None}
+        for request in requests.values():
+            if request.is_finished:  # failed earlier in this step
+                continue
+            try:
+                self._step_beams(request, logits[[row[id(b)] for b in request.seqs]],
+                                 new_sequence, stats)
+            except Exception as e:
+                fail(request, e)
+
+    def _step_beams(self, request: Request, logits: torch.Tensor, new_sequence: NewSequence,
+                    stats: StatsTracker) -> None:
+        """Select the next beams of a beam search request (``logits`` rows in
+        ``request.seqs`` order): a beam chosen again is forked (blocks shared), a beam not
+        chosen is freed."""
+        beams = request.seqs
+        chosen = request.beam.step(logits.log_softmax(dim=-1),
+                                   [b.output_token_ids for b in beams], beams[0].num_tokens)
+        continued: set[int] = set()
+        next_beams = []
+        for parent, token in chosen:  # best first, the order transformers keeps its beams in
+            if parent in continued:
+                child = new_sequence(request, 0, list(beams[parent].token_ids))
+                child.status = SequenceStatus.RUNNING
+                self.block_manager.fork(beams[parent], child)
+                next_beams.append((child, token))
+            else:
+                continued.add(parent)
+                next_beams.append((beams[parent], token))
+        for i, beam in enumerate(beams):
+            if i not in continued:
+                self.block_manager.free(beam)
+        for seq, token in next_beams:  # after the forks copied their parents' tokens
+            seq.append_token(token)
+        stats.num_generation_tokens += len(next_beams)
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = time.time()
+            stats.first_token(metrics, len(request.prompt_token_ids))
+        metrics.last_token_time = time.time()
+        metrics.num_generation_tokens = max((b.num_output_tokens for b, _ in next_beams),
+                                            default=metrics.num_generation_tokens)
+        request.seqs = [seq for seq, _ in next_beams]

@@ -25,8 +25,8 @@ import numpy as np
 import psutil
 import torch
 
-from pagedserve import planner
 from pagedserve.config import ModelConfig
+from pagedserve.kv import spec as kv_spec
 from pagedserve.kv.quant import SCALE_DTYPE, KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -48,15 +48,15 @@ def default_kv_cache_memory(device: torch.device) -> int:
 
 def kv_bytes_per_token(model: ModelConfig, spec: KVCacheSpec) -> int:
     """Bytes one token's K/V cost in a cache stored as ``spec``, scales included."""
-    return planner.kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
+    return kv_spec.kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
                                       model.head_dim, spec.element_bytes, spec.scale_bytes)
 
 
 def num_blocks_for_memory(kv_cache_memory: int, model: ModelConfig, block_size: int,
                           spec: KVCacheSpec) -> int:
-    """How many blocks fit in ``kv_cache_memory`` bytes (the planner's rule, so that
-    ``pagedserve plan`` and the engine agree)."""
-    return planner.num_blocks(kv_cache_memory, kv_bytes_per_token(model, spec), block_size)
+    """How many blocks fit in ``kv_cache_memory`` bytes (``kv.spec``'s rule, which
+    ``pagedserve plan`` uses too)."""
+    return kv_spec.num_blocks(kv_cache_memory, kv_bytes_per_token(model, spec), block_size)
 
 
 HUGE_PAGE = 2 << 20  # bytes: the x86-64 transparent huge page

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve import planner
+from pagedserve.config import KV_CACHE_DTYPES, canonical_dtype
+from pagedserve.kv.spec import KV_SCALE_BYTES
 
 SCALE_DTYPE = torch.bfloat16
-assert planner.KV_SCALE_BYTES == 2  # the planner counts a bfloat16 scale per token and KV head
+assert KV_SCALE_BYTES == 2  # the arithmetic counts a bfloat16 scale per token and KV head
 FP8 = torch.float8_e4m3fn
 QMAX = {"int8": 127.0, "fp8": 448.0}
 # Scales are rounded to bfloat16 (relative error <= 2**-8); this margin keeps them >= absmax/QMAX.
@@ -37,11 +38,6 @@ _SCALE_MARGIN = 1 + 2**-7
 _MIN_SCALE = 1e-30  # an all-zero row: any positive scale stores zeros
 _FP8_BF16_MASK = 0x87F0 - 0x10000  # sign bit and bits 4..10, as a signed int16
 
-_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
-            "bfloat16": "bfloat16", "bf16": "bfloat16",
-            "float16": "float16", "fp16": "float16", "half": "float16",
-            "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8"}
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -65,19 +61,15 @@ class KVCacheSpec:
     @property
     def scale_bytes(self) -> int:
         """Bytes of scale per token and KV head (K and V each)."""
-        return planner.KV_SCALE_BYTES if self.quantized else 0
+        return KV_SCALE_BYTES if self.quantized else 0
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheSpec:
     """``"auto"`` stores K/V in the model's dtype. Raises ValueError for an unknown name."""
     if kv_cache_dtype == "auto":
         name = str(model_dtype).removeprefix("torch.")
-    elif isinstance(kv_cache_dtype, str) and kv_cache_dtype in _ALIASES:
-        name = _ALIASES[kv_cache_dtype]
     else:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose "
-                         f"{', '.join(KV_CACHE_DTYPES)} (or an alias: "
-                         f"{', '.join(a for a in _ALIASES if a not in KV_CACHE_DTYPES)})")
+        name = canonical_dtype(kv_cache_dtype, KV_CACHE_DTYPES[1:], "kv_cache_dtype")
     storage = {"int8": torch.int8, "fp8": torch.uint8}.get(name) or getattr(torch, name)
     return KVCacheSpec(name, storage, model_dtype)
 

@@ -42,7 +42,11 @@ def open_model(model: str | Path | None) -> ModelSource:
 
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        hint = ""
+        if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/")):
+            hint = (f"; to serve the hub model {model!r}, download it first "
+                    f"(huggingface-cli download {model} --local-dir DIR) and pass DIR")
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist{hint}")
     if path.is_dir():
         return hf.open_hf_dir(path)
     with open(path, "rb") as f:

@@ -18,7 +18,7 @@ from torch import nn
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import paged_attention, paged_attention_fused
 from pagedserve.config import ModelConfig
-from pagedserve.distributed import SINGLE, TPGroup
+from pagedserve.distributed.parallel_state import SINGLE, TPGroup
 from pagedserve.kv.cache import LayerKVCache
 
 

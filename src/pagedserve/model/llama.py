@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import ModelConfig
-from pagedserve.distributed import SINGLE, TPGroup, local_config, shard_weight
+from pagedserve.distributed.parallel_state import SINGLE, TPGroup, local_config, shard_weight
 from pagedserve.kv.cache import LayerKVCache
 from pagedserve.model import quant
 from pagedserve.model.layers import (
@@ -58,8 +58,8 @@ class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head (tied to the embedding when the config says so).
 
     ``config`` is the whole model's; under tensor parallelism (``tp``, see
-    pagedserve.distributed) the layers hold this rank's heads and MLP columns, and the embedding
-    and LM head this rank's vocabulary slice. ``rotary`` is set by the owner once max_model_len
+    pagedserve.distributed.parallel_state) the layers hold this rank's heads and MLP columns,
+    and the embedding and LM head this rank's vocabulary slice. ``rotary`` is set by the owner once max_model_len
     is known (its cos/sin table covers it). ``ops`` (see ``use_kernels``) selects the fused
     CPU kernels; None runs the torch path.
     """

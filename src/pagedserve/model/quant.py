@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.planner import QUANTIZATIONS  # torch-free, for the CLI
+from pagedserve.config import QUANTIZATIONS
 
 GROUP_SIZE = 32
 SMALL_ROWS = 12  # measured crossover of the int4 kernel against bf16 F.linear (README Speed)

@@ -21,6 +21,7 @@ from pagedserve.engine import LLMEngine
 from pagedserve.inputs import PromptType
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.stats import EngineStats
 
 logger = logging.getLogger("pagedserve")
 
@@ -40,12 +41,13 @@ class AsyncEngine:
         engine: the LLMEngine; from now on used only by the engine thread.
         max_num_waiting: most requests allowed to wait for admission; more get
             TooManyRequestsError. None: unbounded.
-        on_step: called in the engine thread after every step with (engine, outputs); the
-            server's metrics hook. Its exceptions are logged, never fatal.
+        on_step: called in the engine thread after every step with the engine's
+            ``EngineStats`` snapshot; the server's metrics hook. Its exceptions are logged,
+            never fatal.
     """
 
     def __init__(self, engine: LLMEngine, max_num_waiting: int | None = None,
-                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+                 on_step: Callable[[EngineStats], None] | None = None):
         self.engine = engine
         self.max_num_waiting = max_num_waiting
         self.on_step = on_step
@@ -110,13 +112,9 @@ class AsyncEngine:
 
         def add_all(engine: LLMEngine) -> None:
             if self.max_num_waiting is not None:
-                # Requests the next step admits (free seats) do not count as waiting. A request
-                # of several prompts is let in whenever nothing waits, so that one with more
-                # prompts than the limit is not refused forever.
-                sched = engine.scheduler
-                free = max(0, sched.config.max_num_seqs - sched.num_seats())
-                waiting = max(0, len(sched.waiting) - free)
-                after = max(0, len(sched.waiting) + len(requests) - free)
+                # A request of several prompts is let in whenever nothing waits, so that one
+                # with more prompts than the limit is not refused forever.
+                waiting, after = engine.scheduler.num_waiting(len(requests))
                 if after > self.max_num_waiting and (waiting or len(requests) == 1):
                     raise TooManyRequestsError(
                         f"{waiting} requests are already waiting (max_num_waiting="
@@ -201,7 +199,7 @@ class AsyncEngine:
                     block, ran = False, True
                 if not engine.has_unfinished_requests():
                     if ran:  # e.g. the last request was aborted: the gauges must show it
-                        self._after_step([])
+                        self._after_step()
                     continue
                 outputs = engine.step()
                 for out in outputs:
@@ -210,17 +208,17 @@ class AsyncEngine:
                         if out.finished:
                             del self._streams[out.request_id]
                         stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
-                self._after_step(outputs)
+                self._after_step()
         except BaseException as e:
             logger.exception("the engine thread failed")
             self.error = e
         finally:
             self._close_all()
 
-    def _after_step(self, outputs: list[RequestOutput]) -> None:
+    def _after_step(self) -> None:
         if self.on_step is not None:
             try:
-                self.on_step(self.engine, outputs)
+                self.on_step(self.engine.engine_stats())
             except Exception:
                 logger.exception("metrics hook failed")
 

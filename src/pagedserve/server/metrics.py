@@ -1,15 +1,15 @@
 """Prometheus metrics of the server, with vLLM's metric names under a ``pagedserve:`` prefix.
 
-Updated in the engine thread after every step from the engine's own counters (so the values
-are consistent with ``kv_cache_stats``); each server has its own registry.
+Updated in the engine thread after every step from the engine's ``EngineStats`` snapshot, the
+only thing they read (so the values agree with ``kv_cache_stats``); each server has its own
+registry.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.engine import LLMEngine
-from pagedserve.outputs import RequestOutput
+from pagedserve.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                     160.0, 320.0, 640.0)
@@ -58,49 +58,31 @@ class ServerMetrics:
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "Arrival to finish.", _LATENCY_BUCKETS)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
-        self._seen_first_token: set[str] = set()
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
         if total > self._last[key]:
             counter.inc(total - self._last[key])
         self._last[key] = total
 
-    def update(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        sched = engine.scheduler
-        pool = engine.block_manager.pool
-        self.num_requests_running.set(len(sched.running))
-        self.num_requests_waiting.set(len(sched.waiting))
-        self.num_requests_swapped.set(len(sched.swapped))
-        self.kv_cache_usage_perc.set(pool.num_used_blocks / pool.num_blocks)
-        self._advance(self.prefix_cache_queries, "queries", sched.prefix_cache_queries)
-        self._advance(self.prefix_cache_hits, "hits", sched.prefix_cache_hits)
-        self._advance(self.num_preemptions, "preemptions", sched.num_preemptions)
-        self._advance(self.prompt_tokens, "prompt", engine.num_prompt_tokens)
-        self._advance(self.generation_tokens, "generation", engine.num_generation_tokens)
-        # Requests that produced their first token this step; streams report every step,
-        # final-only requests only at the end, so look at the engine's live requests too.
-        for request in engine.requests.values():
-            m = request.metrics
-            if m.first_token_time is not None and request.request_id not in \
-                    self._seen_first_token:
-                self._seen_first_token.add(request.request_id)
-                self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
-        for out in outputs:
-            m = out.metrics
-            if not out.finished or m is None:
-                continue
-            if out.request_id not in self._seen_first_token and m.first_token_time is not None:
-                self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
-            self._seen_first_token.discard(out.request_id)
-            if out.error is not None:
+    def update(self, stats: EngineStats) -> None:
+        """Move every metric to ``stats`` (the engine's snapshot after a step)."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_swapped.set(stats.num_swapped)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self._advance(self.prefix_cache_queries, "queries", stats.prefix_cache_queries)
+        self._advance(self.prefix_cache_hits, "hits", stats.prefix_cache_hits)
+        self._advance(self.num_preemptions, "preemptions", stats.num_preemptions)
+        self._advance(self.prompt_tokens, "prompt", stats.num_prompt_tokens)
+        self._advance(self.generation_tokens, "generation", stats.num_generation_tokens)
+        for ttft in stats.ttfts:
+            self.time_to_first_token.observe(ttft)
+        for done in stats.finished:
+            if done.failed:
                 self.request_failure.inc()
                 continue
             self.request_success.inc()
-            if m.finished_time is not None:
-                self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
-            generated = m.num_generation_tokens
-            if m.first_token_time is not None and m.last_token_time is not None \
-                    and generated > 1:
-                self.time_per_output_token.observe(
-                    (m.last_token_time - m.first_token_time) / (generated - 1))
-        self._seen_first_token.intersection_update(engine.requests)  # drop aborted ones
+            if done.e2e_latency is not None:
+                self.e2e_request_latency.observe(done.e2e_latency)
+            if done.tpot is not None:
+                self.time_per_output_token.observe(done.tpot)

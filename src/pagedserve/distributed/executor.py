@@ -1,11 +1,9 @@
-"""Tensor parallelism over torch.distributed (Megatron-LM, Shoeybi et al. 2019, sec. 3).
+"""Tensor-parallel processes: start, watch and stop the workers, and run each step on all ranks.
 
-Rank r of N holds heads [r*H/N, (r+1)*H/N) of the queries and of the KV heads (so its share of
-every KV block), columns of gate|up and rows of down (one all-reduce after o_proj and one after
-down), and a vocabulary slice of the embedding and LM head. The driver (rank 0, in the engine's
-process) owns the only scheduler and block-id space: each step it broadcasts the ModelInput
-(block tables, slot mapping, block copies) once, every rank runs the same forward on its shard,
-and the logits are gathered to rank 0, which samples.
+The driver (rank 0, in the engine's process) owns the only scheduler and block-id space: each
+step it broadcasts the ModelInput (block tables, slot mapping, block copies) once, every rank
+runs the same forward on its shard (``distributed.parallel_state``), and the logits are
+gathered to rank 0, which samples.
 
 Start-up is torch.distributed's environment rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE): on one host the engine starts ranks 1..N-1 itself (``python -m
@@ -26,145 +24,26 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from pagedserve.config import ModelConfig
+from pagedserve import envs
+from pagedserve.distributed.parallel_state import TPGroup, device_group
+from pagedserve.worker import build_worker
 
 logger = logging.getLogger("pagedserve")
 
 
-# A collective's wait for a silent peer. Generous, because a slow step or a slow model load
-# on oversubscribed cores is not a dead worker, and a dead local worker is noticed within a
-# second anyway (Driver._watch); only a hung remote rank waits this long.
-DEFAULT_TP_TIMEOUT_SECONDS = 600.0
-
-
 def _timeout() -> datetime.timedelta:
-    """How long start-up and each collective wait for a silent peer: PAGEDSERVE_TP_TIMEOUT
-    seconds, default DEFAULT_TP_TIMEOUT_SECONDS. Idle workers are pinged
-    (Driver._heartbeat), so waiting for the next step never hits it. Raises ValueError for a
-    value that is not a positive number."""
-    raw = os.environ.get("PAGEDSERVE_TP_TIMEOUT", "")
-    try:
-        seconds = float(raw) if raw.strip() else DEFAULT_TP_TIMEOUT_SECONDS
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"PAGEDSERVE_TP_TIMEOUT must be a positive number of seconds, "
-                         f"got {raw!r}")
-    return datetime.timedelta(seconds=seconds)
+    """How long start-up and each collective wait for a silent peer (``envs.tp_timeout``).
+    Idle workers are pinged (Driver._heartbeat), so waiting for the next step never hits it."""
+    return datetime.timedelta(seconds=envs.tp_timeout())
 
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker died or stopped answering; the engine cannot continue."""
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """This process's place in the tensor-parallel group (world_size 1: no collectives).
-    ``group``: the process group of the tensor collectives (None: the default gloo group; an
-    NCCL group on CUDA, see ``device_group``)."""
-
-    rank: int = 0
-    world_size: int = 1
-    group: Any = field(default=None, compare=False)
-
-    def shard(self, n: int) -> tuple[int, int]:
-        """(start, size) of this rank's slice of ``n`` (a multiple of world_size)."""
-        size = n // self.world_size
-        return self.rank * size, size
-
-    def vocab_shard(self, vocab_size: int) -> tuple[int, int]:
-        """(start, padded size) of this rank's vocabulary slice: ceil(vocab / N) rows, the
-        last rank's tail padded (its rows are zero and their logits dropped)."""
-        size = -(-vocab_size // self.world_size)
-        return self.rank * size, size
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
-
-    def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """[rows, vocab slice] on every rank -> [rows, vocab_size] on rank 0 (None elsewhere)."""
-        if self.world_size == 1:
-            return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.group)
-        return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else None
-
-
-SINGLE = TPGroup()  # no tensor parallelism
-
-
-def device_group(tp: TPGroup, device: str) -> TPGroup:
-    """``tp`` with the group its tensors travel through: NCCL for CUDA (created on every rank
-    at the same point, after the options are shared), the default gloo group otherwise.
-    Control messages always go through gloo."""
-    if tp.world_size == 1 or not device.startswith("cuda"):
-        return tp
-    return replace(tp, group=dist.new_group(backend="nccl"))
-
-
-def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
-    """Raise ValueError naming the numbers when the model's heads or MLP width do not split
-    evenly over ``tensor_parallel_size`` ranks (KV heads are not replicated)."""
-    n = tensor_parallel_size
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
-    for what, count in (("query heads", cfg.num_attention_heads),
-                        ("KV heads", cfg.num_key_value_heads),
-                        ("MLP intermediate size", cfg.intermediate_size)):
-        if count % n:
-            counts = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
-            fits = [d for d in range(1, cfg.num_key_value_heads + 1)
-                    if all(c % d == 0 for c in counts)]
-            raise ValueError(f"tensor_parallel_size={n} does not divide the model's {count} "
-                             f"{what}; choose one of {fits} (it must divide the query heads, "
-                             "the KV heads, which are split, not replicated, and the MLP width)")
-
-
-def local_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
-    """The config of one rank's shard: its heads, KV heads and MLP width (vocab unchanged)."""
-    n = tp.world_size
-    return replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
-                   num_key_value_heads=cfg.num_key_value_heads // n,
-                   intermediate_size=cfg.intermediate_size // n)
-
-
-def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TPGroup) -> torch.Tensor:
-    """This rank's slice of checkpoint tensor ``name`` (transformers names, full model)."""
-    if tp.world_size == 1:
-        return w
-    d = cfg.head_dim
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        start, size = tp.vocab_shard(cfg.vocab_size)
-        part = w[start:start + size]
-        if part.shape[0] < size:  # the last rank's padding
-            part = torch.cat([part, part.new_zeros(size - part.shape[0], *part.shape[1:])])
-        return part
-    if ".self_attn.q_proj." in name:
-        start, size = tp.shard(cfg.num_attention_heads)
-        return w[start * d:(start + size) * d]
-    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-        start, size = tp.shard(cfg.num_key_value_heads)
-        return w[start * d:(start + size) * d]
-    if ".self_attn.o_proj." in name:
-        start, size = tp.shard(cfg.num_attention_heads)
-        return w[:, start * d:(start + size) * d]
-    if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-        start, size = tp.shard(cfg.intermediate_size)
-        return w[start:start + size]
-    if ".mlp.down_proj." in name:
-        start, size = tp.shard(cfg.intermediate_size)
-        return w[:, start:start + size]
-    return w  # norms: replicated
 
 
 # ---- processes --------------------------------------------------------------------------------
@@ -382,12 +261,12 @@ class DistributedRunner:
 def _die_with_parent() -> None:
     """A locally spawned worker exits within half a second of its engine's process (even while
     loading; in a collective the closed connection ends it sooner)."""
-    parent = os.environ.get("PAGEDSERVE_TP_PARENT")
+    parent = envs.tp_parent()
     if parent is None:
         return
 
     def watch() -> None:
-        while os.getppid() == int(parent):
+        while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
 
@@ -410,8 +289,6 @@ def worker_main() -> NoReturn:
 
 
 def _serve_steps() -> int:
-    from pagedserve.engine import build_worker
-
     _die_with_parent()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _set_threads(world_size)

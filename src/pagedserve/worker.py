@@ -1,0 +1,165 @@
+"""What every rank builds: its shard of the model with its weights, and its KV cache.
+
+Rank 0 builds it in the engine's process; ranks > 0 in their worker processes, from the
+``ShardOptions`` rank 0 resolved and sent (``distributed.executor``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from pagedserve import kernels
+from pagedserve.config import EngineArgs, ModelConfig, resolve_device, resolve_dtype
+from pagedserve.core.block_manager import cdiv
+from pagedserve.distributed.parallel_state import TPGroup, local_config
+from pagedserve.kv.cache import (
+    KVCache,
+    default_kv_cache_memory,
+    kv_bytes_per_token,
+    num_blocks_for_memory,
+)
+from pagedserve.kv.quant import KVCacheSpec, resolve_kv_cache_dtype
+from pagedserve.loader import open_model
+from pagedserve.model.layers import RotaryEmbedding
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.quant import quantize_linear_layers
+from pagedserve.model.registry import model_class
+from pagedserve.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What every tensor-parallel rank builds, as rank 0 resolved it (sent to the others)."""
+
+    model: str
+    dtype: str
+    device: str
+    quantization: str | None
+    kv_cache_dtype: str
+    num_kv_blocks: int
+    block_size: int
+    num_swap_blocks: int
+    max_model_len: int
+
+
+def load_model(source, dtype: torch.dtype, device: torch.device, quantization: str | None,
+               tp: TPGroup) -> tuple[LlamaForCausalLM, int]:
+    """This rank's shard of the model with its weights (quantized if asked); returns it and
+    the bytes its weights take."""
+    with torch.device("meta"):
+        net = model_class(source.config.architecture)(source.config, tp)
+    net = net.to_empty(device=device).to(dtype)
+    net.load_weights(source.weights(), str(source.path))
+    weight_bytes = 0
+    if quantization is not None:
+        weight_bytes = quantize_linear_layers(net, quantization)
+    weight_bytes += sum(p.numel() * p.element_size() for p in net.parameters())
+    net.use_kernels(kernels.load() if device.type == "cpu" else None)
+    return net.eval(), weight_bytes
+
+
+def finish_shard(net: LlamaForCausalLM, shard: ShardOptions, tp: TPGroup) -> KVCache:
+    """Give ``net`` its rotary table and allocate this rank's KV cache (its KV heads)."""
+    device = next(net.parameters()).device
+    net.rotary = RotaryEmbedding(net.config, shard.max_model_len).to(device)
+    spec = resolve_kv_cache_dtype(shard.kv_cache_dtype, next(net.parameters()).dtype)
+    return KVCache.allocate(local_config(net.config, tp), shard.num_kv_blocks, shard.block_size,
+                            spec, device, shard.num_swap_blocks)
+
+
+def build_worker(shard: ShardOptions, tp: TPGroup) -> ModelRunner:
+    """A rank > 0's runner: its model shard and KV cache, on ``cuda:<rank>`` for CUDA."""
+    device = resolve_device(shard.device)
+    if device.type == "cuda":  # worker_main has made it the current device
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
+    net, _ = load_model(open_model(shard.model), resolve_dtype(shard.dtype, device), device,
+                        shard.quantization, tp)
+    return ModelRunner(net, finish_shard(net, shard, tp), device)
+
+
+logger = logging.getLogger("pagedserve")
+
+
+class KVSizing(NamedTuple):
+    """The cache rank 0 resolved: blocks, the context length they allow, swap blocks, and
+    the bytes one token's K/V cost on one worker."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    num_swap_blocks: int
+    kv_bytes_per_token: int
+
+
+def size_kv_cache(args: EngineArgs, shard: ModelConfig, spec: KVCacheSpec, model_limit: int,
+                  device: torch.device, local_ranks: int) -> KVSizing:
+    """Blocks from ``num_kv_blocks`` or ``kv_cache_memory`` (default: a share of free memory,
+    split between the ranks on this host), and ``max_model_len`` (default: the model's limit
+    or the capacity if smaller). Raises ValueError naming the numbers when they do not fit."""
+    per_token = kv_bytes_per_token(shard, spec)  # per worker: 1/N of the KV heads
+    bs = args.block_size
+    num_kv_blocks = args.num_kv_blocks
+    if num_kv_blocks is None:
+        memory = args.kv_cache_memory
+        if memory is None:
+            memory = default_kv_cache_memory(device) // local_ranks
+        num_kv_blocks = num_blocks_for_memory(memory, shard, bs, spec)
+        if num_kv_blocks < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes holds no block of "
+                             f"{per_token * bs} bytes")
+    capacity = num_kv_blocks * bs
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = min(model_limit, capacity)
+    elif max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len={max_model_len} needs {cdiv(max_model_len, bs)} KV blocks but the "
+            f"cache has {num_kv_blocks}; lower max_model_len or raise kv_cache_memory")
+    num_swap_blocks = 0
+    if args.preemption_mode == "swap":
+        num_swap_blocks = int(args.swap_space * 2**30) // (per_token * bs)
+    return KVSizing(num_kv_blocks, max_model_len, num_swap_blocks, per_token)
+
+
+def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torch.dtype,
+                spec: KVCacheSpec, model_limit: int, driver: Any) -> tuple[ModelRunner, KVSizing]:
+    """Rank 0's model, KV cache and runner; with ``driver`` (tensor parallelism) the options
+    go to the other ranks and the runner drives them (``distributed.executor``)."""
+    from pagedserve.distributed.executor import DistributedRunner
+    from pagedserve.distributed.parallel_state import device_group
+
+    cfg = source.config
+    tp = TPGroup(0, args.tensor_parallel_size)
+    t0 = time.perf_counter()
+    net, weight_bytes = load_model(source, dtype, device, args.quantization, tp)
+    local_ranks = args.tensor_parallel_size if driver is not None and driver.procs else 1
+    sizing = size_kv_cache(args, local_config(cfg, tp), spec, model_limit, device, local_ranks)
+    options = ShardOptions(str(source.path), str(dtype).removeprefix("torch."), str(device),
+                           args.quantization, spec.name, sizing.num_kv_blocks, args.block_size,
+                           sizing.num_swap_blocks, sizing.max_model_len)
+    if driver is not None:
+        driver.send(options)
+        tp = device_group(tp, options.device)
+        net.set_tp(tp)
+    runner = ModelRunner(net, finish_shard(net, options, tp), device)
+    if driver is not None:
+        driver.wait_ready()
+        runner = DistributedRunner(runner, driver)
+    logger.info(
+        "model %s (%s, %d layers, %d/%d query/KV heads, head_dim %d): %.1f MB of %s weights%s "
+        "on %s, loaded in %.1fs", source.path.name, cfg.architecture, cfg.num_hidden_layers,
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, weight_bytes / 1e6,
+        options.dtype, f" ({args.quantization} linear layers)" if args.quantization else "",
+        device, time.perf_counter() - t0)
+    blocks, bs, max_len = sizing.num_kv_blocks, args.block_size, sizing.max_model_len
+    logger.info(
+        "KV cache: %d bytes per token (%s), %d blocks of %d tokens (%.2f GiB), capacity %d "
+        "tokens, max concurrency %.2fx at max_model_len=%d", sizing.kv_bytes_per_token,
+        spec.name, blocks, bs, getattr(runner, "runner", runner).kv_cache.nbytes / 2**30,
+        blocks * bs, blocks * bs / max_len, max_len)
+    return runner, sizing
