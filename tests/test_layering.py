@@ -150,3 +150,12 @@ def test_unknown_engine_options_name_the_known_ones():
         EngineArgs.from_kwargs(None, gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineArgs(long_prefill_token_threshold=-1)
+
+
+def test_environment_variables_are_read_in_envs_only():
+    import re
+
+    read = re.compile(r"""(environ\.get|getenv)\(\s*["']PAGEDSERVE_|environ\[["']PAGEDSERVE_""")
+    offenders = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                 if p.name != "envs.py" and read.search(p.read_text())]
+    assert not offenders, offenders

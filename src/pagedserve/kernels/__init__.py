@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from pagedserve import envs
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -51,8 +53,10 @@ BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 def _build_name(extra_flags: tuple[str, ...] = ()) -> str:
     """The extension's name: a hash of everything the binary depends on (this CPU's
     instruction set, since the build uses ``-march=native``; the kernel source; the compiler
-    and its flags; torch's version). Two checkouts or versions on one machine, or two
-    machines sharing a cache directory, then never load or rebuild each other's binary."""
+    and its flags; torch's version and install, whose headers the build includes). Two
+    checkouts, versions or virtual environments on one machine, or two machines sharing a
+    cache directory, then never load or rebuild each other's binary (torch rebuilds a cached
+    extension whose include paths changed)."""
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -61,7 +65,7 @@ def _build_name(extra_flags: tuple[str, ...] = ()) -> str:
         pass
     h = hashlib.sha256()
     for part in (cpu, SOURCE.read_text(), os.environ.get("CXX", "c++"), torch.__version__,
-                 *BASE_FLAGS, *extra_flags):
+                 os.path.dirname(torch.__file__), *BASE_FLAGS, *extra_flags):
         h.update(part.encode() + b"\0")
     return f"pagedserve_cpu_ops_{h.hexdigest()[:16]}"
 
@@ -111,7 +115,7 @@ def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...]
 def load():
     """``torch.ops.pagedserve`` with the CPU kernels registered, or None when they are disabled
     (``PAGEDSERVE_CPU_KERNELS=0``) or cannot be built (the reason is logged)."""
-    value = os.environ.get(ENV, "1").strip().lower()
+    value = envs.cpu_kernels().strip().lower()
     if value in ("0", "false", "no", "off"):
         logger.info("CPU kernels disabled by %s; running the torch path", ENV)
         return None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import platformdirs
 
+from pagedserve import envs
 from pagedserve.loader import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 def cache_dir() -> Path:
     """``$PAGEDSERVE_CACHE`` if set, else the platform's user cache dir for pagedserve."""
-    env = os.environ.get("PAGEDSERVE_CACHE")
+    env = envs.cache_dir()
     return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("pagedserve"))
 
 
