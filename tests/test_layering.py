@@ -159,3 +159,18 @@ def test_environment_variables_are_read_in_envs_only():
     offenders = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
                  if p.name != "envs.py" and read.search(p.read_text())]
     assert not offenders, offenders
+
+
+def test_the_core_stays_readable():
+    """engine.py is the loop and little else; no function of the core path runs over a screen
+    (60 lines): engine, core/, runner, attention/, model/, kv/, sampler."""
+    assert len((SRC / "engine.py").read_text().splitlines()) < 300
+    core = [SRC / "engine.py", SRC / "runner.py", SRC / "sampler.py",
+            *[p for d in ("core", "attention", "model", "kv") for p in (SRC / d).glob("*.py")]]
+    long = []
+    for path in core:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 > 60:
+                    long.append(f"{path.name}:{node.name}")
+    assert not long, long

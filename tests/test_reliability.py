@@ -210,6 +210,23 @@ def test_fuzzed_params_and_prompts_fail_only_with_a_value_error_at_add_request(e
     _assert_idle(engine)
 
 
+def test_beam_length_penalty_is_bounded_and_seeds_are_distinct(engine):
+    from pagedserve import BeamSearchParams
+
+    for lp in (330.0, -400.0, 1e308):
+        with pytest.raises(ValueError, match="length_penalty"):
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=lp)
+    streams = {}
+    for seed in (0, 2**63, -2**63, -1, 2**63 - 1, 2**64 - 1):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
+        streams[seed] = tuple(_run(engine, {"s": ("hello", params)})["s"].outputs[0].token_ids)
+    assert len(set(streams.values())) == len(streams)
+    out = _run(engine, {"t": ("hello", SamplingParams(max_tokens=3))})["t"]
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    _assert_idle(engine)
+
+
 # ---- the server: hostile bodies ---------------------------------------------------------------
 
 
@@ -269,13 +286,29 @@ BIG = 2**63
     ("/v1/completions", {**OK, "logit_bias": {"5": 100}}, "logit_bias"),
     ("/tokenize", {"prompt": "x" * 10_000_000}, "characters"),
     ("/detokenize", {"tokens": [BIG]}, "vocabulary"),
+    # echo without generation is validated like any request
+    ("/v1/completions", {**OK, "max_tokens": 0, "echo": True, "n": 500_000}, "n"),
+    ("/v1/completions", {**OK, "max_tokens": 0, "echo": True, "n": 0}, "n"),
+    ("/v1/completions", {**OK, "max_tokens": 0, "echo": True, "top_k": -5}, "top_k"),
+    ("/v1/completions", {**OK, "max_tokens": 0, "echo": True, "stop_token_ids": [10**9]},
+     "stop_token_ids"),
+    ("/v1/completions", {**OK, "prompt": [[5]] * 3000}, "prompt"),
+    ("/v1/completions", {**OK, "prompt": [5] * 5_000_000}, "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", "max_tokens"),
+    ("/v1/completions", {**OK, "stop": [f"s{i}" for i in range(1000)]}, "stop"),
+    ("/v1/completions", {**OK, "stop_token_ids": list(range(300)) * 20}, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "u" * 4_000_000, "content": "hi"}]},
+     "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}] * 700_000}, "messages"),
+    ("/tokenize", {"messages": [{"role": "u" * 4_000_000, "content": "hi"}]}, "messages"),
+    ("/tokenize", {}, "prompt"),
 ])
 def test_hostile_bodies_get_a_4xx_naming_the_field_and_the_next_request_succeeds(
         server, path, body, field):
     r = _post(server, path, body)
     assert 400 <= r.status_code < 500, r.text
     err = r.json()["error"]
-    assert field in err["message"] or err["param"] == field, err
+    assert field in err["message"] and err["param"], err
     assert _post(server, "/v1/completions", OK).status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
     server.idle()
@@ -302,6 +335,43 @@ def test_openai_contract_details(server):
     assert r.status_code == 400 and err["code"] == "context_length_exceeded"
     assert err["message"].startswith("This model's maximum context length is 512 tokens. "
                                      "However, you requested ")
+
+
+def test_nulls_mean_defaults_echo_shows_id_prompts_and_head_health(server):
+    r = _post(server, "/v1/completions", {**OK, "n": None, "stream": None, "echo": None,
+                                          "seed": None, "temperature": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    r = _post(server, "/v1/chat/completions", {**CHAT, "logprobs": None, "n": None})
+    assert r.status_code == 200, r.text
+    text = _post(server, "/detokenize", {"tokens": [30, 40, 50]}).json()["prompt"]
+    r = _post(server, "/v1/completions", {**OK, "prompt": [30, 40, 50], "echo": True,
+                                          "temperature": 0})
+    assert r.json()["choices"][0]["text"].startswith(text)
+    assert httpx.head(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_sends_each_choice_s_finish_once(server, path):
+    body = {**(OK if path == "/v1/completions" else CHAT), "max_tokens": 12, "n": 3,
+            "seed": 3, "temperature": 1.0, "stream": True}
+    body["stop"] = [" ", "e"]  # most choices stop early; the others keep the stream going
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        chunks = [c for line in r.iter_lines() if line.startswith("data: {")
+                  for c in json.loads(line[6:])["choices"]]
+    finishes = [c["index"] for c in chunks if c["finish_reason"] is not None]
+    assert sorted(finishes) == [0, 1, 2]
+    last = {c["index"]: n for n, c in enumerate(chunks)}
+    assert all(chunks[last[i]]["finish_reason"] for i in range(3))
+
+
+def test_a_big_batch_whose_client_leaves_is_aborted_at_once(server):
+    body = {**OK, "prompt": [[5, k % 300] for k in range(2000)], "max_tokens": 3}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    t0 = time.perf_counter()
+    assert _post(server, "/v1/completions", OK).status_code == 200
+    assert time.perf_counter() - t0 < 5
+    server.idle(timeout=5)
 
 
 def test_no_empty_delta_in_the_middle_of_a_chat_stream(server):

@@ -154,8 +154,9 @@ class EngineArgs:
         0, "most prompt tokens one request prefills per step (0: no cap beyond "
            "max_num_batched_tokens); a lower cap keeps a long prompt from stretching the "
            "running streams' inter-token latency")
-    kv_cache_memory: int | None = _opt(None, "KV cache bytes, e.g. 2GiB (default: a share of "
-                                             "free memory)", parse="bytes")
+    kv_cache_memory: int | None = _opt(None, "KV cache size in bytes; the CLI also takes units "
+                                             "(2GiB, 512MB). Default: a share of free memory",
+                                       parse="bytes")
     num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (overrides "
                                            "kv_cache_memory)")
     seed: int = _opt(0, "seed of the generator unseeded random requests share")

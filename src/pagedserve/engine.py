@@ -4,8 +4,7 @@ One step, one way (vLLM v1's shape):
 
     sched = scheduler.schedule()                # running, swapped, waiting under one budget
     result = runner.execute(sched)              # block copies, forward, logits
-    scheduler.update_from_output(...)           # computed tokens, sampled tokens, forks,
-                                                # beams, stops, frees (the one writer)
+    scheduler.update_from_output(...)           # tokens, forks, beams, stops, frees
     output_processor.make_output(request)       # detokenized text, logprobs, RequestOutput
 
 Prompts are validated and tokenized by the InputProcessor before anything is queued; a bad
@@ -138,6 +137,7 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.input_processor.check_arrival_time(arrival_time)
         text, ids, salt = self.input_processor.process_prompt(prompt)
         max_tokens = self.input_processor.resolve_max_tokens(params, len(ids))
         self.input_processor.check_fits(params, len(ids) + max_tokens)
@@ -210,7 +210,6 @@ class LLMEngine:
                 # Cannot happen: add_request checked that every request fits an empty cache.
                 raise RuntimeError("the scheduler could not admit any waiting request")
             return []
-        now = time.time()
         try:
             result = self.runner.execute(sched)
         except Exception as e:
@@ -239,20 +238,20 @@ class LLMEngine:
         self.scheduler.step_beams(seqs, logits, self._new_sequence, self.stats, fail)
         touched = {id(s.request): s.request for s in seqs}
         touched.update(failed)  # a request failed before sampling (prompt logprobs) too
-        outputs = [out for r in touched.values() if (out := self._output(r, now, fail))]
+        outputs = [out for r in touched.values() if (out := self._output(r, fail))]
         self.stats.finished(outputs)
         if self.cache_config.debug_checks:
             self.scheduler.check_invariants()
         return outputs
 
-    def _output(self, request: Request, now: float, fail) -> RequestOutput | None:
+    def _output(self, request: Request, fail) -> RequestOutput | None:
         """This step's output of ``request`` (None if it has nothing to say); a finished
         request is freed."""
         if request.error is None:
             try:
                 if request.is_finished:
                     out = self.output_processor.make_output(request)
-                    request.metrics.finished_time = now
+                    request.metrics.finished_time = time.time()
                     self.scheduler.finish_requests([request])
                     return out
                 if request.beam is None and \

@@ -8,6 +8,7 @@ chat template never stalls the streams being generated.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from pagedserve.config import CacheConfig, SchedulerConfig
@@ -38,6 +39,18 @@ def context_length_error(max_model_len: int, prompt_tokens: int,
         f"{head}you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
         f"messages, {max_tokens} in the completion). Please reduce the length of the messages "
         "or completion.")
+
+
+def text_chars(value: Any) -> int:
+    """Characters of every string inside ``value`` (messages: roles, contents, names): what a
+    chat template renders at least once."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
 
 
 class ProcessedPrompt(NamedTuple):
@@ -92,6 +105,15 @@ class InputProcessor:
                 f"{self.max_model_len} tokens can have ({self.max_prompt_chars}). Please reduce "
                 "the length of the prompt or messages.")
 
+    def check_message_count(self, num_messages: int) -> None:
+        """Raise ContextLengthError for more messages than max_model_len (each renders at
+        least one token)."""
+        if num_messages > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your conversation has {num_messages} messages. Please reduce the number of "
+                "messages.")
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Raises ValueError without a tokenizer, for text that is not
         valid UTF-8, and ContextLengthError for text that cannot fit (checked before the
@@ -111,8 +133,9 @@ class InputProcessor:
         alone are too long, checked before the template runs)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
-        self.check_text_length(sum(len(m.get("content") or "") for m in messages
-                                   if isinstance(m, dict) and isinstance(m.get("content"), str)))
+        if isinstance(messages, list):
+            self.check_message_count(len(messages))
+        self.check_text_length(text_chars(messages))
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs)
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
@@ -148,6 +171,15 @@ class InputProcessor:
             raise context_length_error(self.max_model_len, len(ids))
         return ProcessedPrompt(text, ids, salt)
 
+    @staticmethod
+    def check_arrival_time(arrival_time: Any) -> None:
+        """Raise ValueError unless ``arrival_time`` is None or a finite ``time.time()``."""
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float))
+                                         or isinstance(arrival_time, bool)
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time must be a finite number of seconds (time.time()), "
+                             f"got {arrival_time!r}")
+
     def check_token_ids(self, ids: list[int], field: str = "token id") -> None:
         """Raise ValueError naming the first id outside [0, vocab_size)."""
         vocab = self.vocab_size
@@ -171,15 +203,23 @@ class InputProcessor:
                 raise context_length_error(max_len, num_prompt_tokens)
         elif num_prompt_tokens + max_tokens > max_len:
             raise context_length_error(max_len, num_prompt_tokens, max_tokens)
-        if isinstance(params, SamplingParams):
-            self.check_token_ids(params.stop_token_ids, "stop_token_ids: token id")
-            if params.top_k > self.vocab_size:
-                raise ValueError(f"top_k must be at most the vocabulary size "
-                                 f"{self.vocab_size} (or -1 / 0 for all), got {params.top_k}")
-            if params.min_tokens > max_tokens:
-                raise ValueError(f"min_tokens={params.min_tokens} must not exceed max_tokens="
-                                 f"{max_tokens}")
+        self.check_params(params, max_tokens)
         return max_tokens
+
+    def check_params(self, params: SamplingParams | BeamSearchParams,
+                     max_tokens: int | None = None) -> None:
+        """Raise ValueError naming the field unless ``params`` suit the model: stop_token_ids
+        inside the vocabulary, top_k at most the vocabulary size, and min_tokens at most
+        ``max_tokens`` (resolved; None skips that check)."""
+        if not isinstance(params, SamplingParams):
+            return
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids: token id")
+        if params.top_k > self.vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size {self.vocab_size} "
+                             f"(or -1 / 0 for all), got {params.top_k}")
+        if max_tokens is not None and params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens={params.min_tokens} must not exceed max_tokens="
+                             f"{max_tokens}")
 
     def check_fits(self, params: SamplingParams | BeamSearchParams, seq_len: int) -> None:
         """Raise ValueError unless the request's sequences (n, or the beam width) of up to
@@ -187,20 +227,21 @@ class InputProcessor:
         and there is no tokenizer."""
         beam = isinstance(params, BeamSearchParams)
         num_seqs = params.beam_width if beam else params.n
+        field = "beam_width" if beam else "n"
         if num_seqs > 1 and self.one_sequence:
-            raise ValueError("kv_allocator='contiguous' runs one sequence per request "
-                             f"(got {'beam_width' if beam else 'n'}={num_seqs})")
+            raise ValueError(f"{field}={num_seqs}: kv_allocator='contiguous' runs one sequence "
+                             "per request")
         cfg, cache = self.scheduler_config, self.cache_config
         if num_seqs > cfg.max_num_seqs:
-            raise ValueError(f"the request runs {num_seqs} sequences, more than "
-                             f"max_num_seqs={cfg.max_num_seqs}")
+            raise ValueError(f"{field}={num_seqs} sequences is more than max_num_seqs="
+                             f"{cfg.max_num_seqs}")
         need = num_seqs * -(-seq_len // cache.block_size)
         if need > cache.num_blocks:
             raise ValueError(
-                f"the request's {num_seqs} sequences of up to {seq_len} tokens need up to "
-                f"{need} KV blocks, more than the {cache.num_blocks} the cache has")
+                f"{field}={num_seqs} sequences of up to {seq_len} tokens need up to {need} KV "
+                f"blocks, more than the {cache.num_blocks} the cache has")
         if num_seqs > cfg.max_num_batched_tokens:
-            raise ValueError(f"{num_seqs} sequences need max_num_batched_tokens >= {num_seqs}, "
-                             f"it is {cfg.max_num_batched_tokens}")
+            raise ValueError(f"{field}={num_seqs} sequences need max_num_batched_tokens >= "
+                             f"{num_seqs}, it is {cfg.max_num_batched_tokens}")
         if not beam and params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")

@@ -78,12 +78,16 @@ class LLM:
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (beams share KV blocks, copy-on-write); returns each
-        prompt's finished beams, best first, in input order. Raises ValueError for bad input."""
+        prompt's finished beams, best first, in input order. Raises ValueError for bad input,
+        RuntimeError if the engine failed on a request."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         prompts = _as_prompt_list(prompts)
         results = []
         for out in self._run(prompts, [params] * len(prompts), use_tqdm):
+            if out.error is not None:
+                raise RuntimeError(f"beam search of request {out.request_id} failed in the "
+                                   f"engine: {out.error}")
             results.append(BeamSearchOutput([
                 BeamSearchSequence(
                     tokens=out.prompt_token_ids + c.token_ids, text=c.text,

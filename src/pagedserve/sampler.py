@@ -222,12 +222,11 @@ def _sample_rows(sampler: Sampler, rows: list[tuple[Sequence, int]], logits: tor
 
 
 def sequence_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
-    """The generator of sequence ``index`` of a seeded request: seeded with the request seed
-    itself for 0, else a hash of both, so the n sequences of a seeded request draw
-    independent, reproducible streams."""
-    if index:
-        digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
-        seed = int.from_bytes(digest[:8], "little")
+    """The generator of sequence ``index`` of a seeded request, seeded with a hash of both: the
+    n sequences of a seeded request draw independent, reproducible streams, and distinct
+    seeds anywhere in [-2**63, 2**64) distinct ones (torch's generator keeps 63 bits, so 0 and
+    2**63 would otherwise collide)."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return generator

@@ -16,6 +16,14 @@ MAX_LOGPROBS = 20
 # Every integer field must fit a signed 64-bit tensor element; the engine then bounds each
 # against the model (top_k and token ids by the vocabulary, n by max_num_seqs).
 INT64_MAX = 2**63 - 1
+# Stop strings are searched after every token on the engine thread, stop ids on every token:
+# bounded so that one request cannot slow every other stream. OpenAI allows 4 stop strings.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 4096
+# A finished beam scores sum(logprobs) / len ** length_penalty; beyond this bound len ** lp
+# overflows a float for long outputs.
+MAX_LENGTH_PENALTY = 10.0
 MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 1e4
 
@@ -146,6 +154,13 @@ class SamplingParams:
             fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             fail(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if len(self.stop_strings) > MAX_STOP_STRINGS or \
+                any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop_strings):
+            fail(f"stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                 f"{MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
+                 f"{len(self.stop_token_ids)}")
         if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
@@ -170,7 +185,8 @@ class BeamSearchParams:
         beam_width: live beams (>= 1). Beams share KV blocks and copy one on write.
         max_tokens: most tokens generated per beam (>= 1).
         ignore_eos: keep beams running past EOS.
-        length_penalty: a finished beam scores sum(logprobs) / generated_len ** length_penalty.
+        length_penalty: a finished beam scores sum(logprobs) / generated_len ** length_penalty;
+            in [-10, 10].
         early_stopping: transformers' semantics: True stops once beam_width beams finished;
             False stops when no running beam can still beat the worst finished one, judged at
             the current length; "never" judges at the longest possible length when
@@ -193,8 +209,10 @@ class BeamSearchParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         lp = self.length_penalty
-        if not (_is_int(lp) or isinstance(lp, float)) or not math.isfinite(lp):
-            raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
+        if not (_is_int(lp) or isinstance(lp, float)) or not math.isfinite(lp) \
+                or abs(lp) > MAX_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                             f"{MAX_LENGTH_PENALTY}], got {lp!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be true, false or 'never', "
                              f"got {self.early_stopping!r}")

@@ -93,53 +93,70 @@ class _BodyLimit:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
 
 
-class _NonFinite:
-    """A JSON number Python's json accepts but JSON has not (NaN, Infinity, 1e999)."""
+class _BadNumber:
+    """A number no field can take: one Python's json accepts but JSON has not (NaN, Infinity,
+    1e999), or an integer of more digits than any 64-bit field (which Python would otherwise
+    refuse as "not valid JSON" past 4,300 digits)."""
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, text: str, why: str = "is not a finite number"):
+        self.text, self.why = text, why
 
 
-def _parse_float(text: str) -> float | _NonFinite:
+def _parse_float(text: str) -> float | _BadNumber:
     value = float(text)
-    return value if value not in (float("inf"), float("-inf")) else _NonFinite(text)
+    return value if value not in (float("inf"), float("-inf")) else _BadNumber(text)
 
 
-def _non_finite_at(value: Any, path: tuple = ()) -> tuple[tuple, str] | None:
-    """(path, text) of the first non-finite number in a parsed body."""
-    if isinstance(value, _NonFinite):
-        return path, value.text
+def _parse_int(text: str) -> int | _BadNumber:
+    if len(text.lstrip("-")) > 40:
+        return _BadNumber(text[:20] + "...", "is too large for any field")
+    return int(text)
+
+
+def _bad_number_at(value: Any, path: tuple = ()) -> tuple[tuple, _BadNumber] | None:
+    """(path, number) of the first number no field can take in a parsed body."""
+    if isinstance(value, _BadNumber):
+        return path, value
     items = value.items() if isinstance(value, dict) else \
         enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = _non_finite_at(item, (*path, key))
+        found = _bad_number_at(item, (*path, key))
         if found is not None:
             return found
     return None
 
 
 async def _parse(request: Request, model: type[BaseModel],
-                 unimplemented: dict[str, tuple] | None = None) -> Any:
+                 unimplemented: dict[str, tuple] | None = None,
+                 precheck: Callable[[dict], None] | None = None) -> Any:
     """The body as ``model``. Raises APIError(400) for JSON that is not an object, a number
-    that is not finite (NaN, Infinity), a field ``unimplemented`` lists set to something not
-    "off", and any validation error, naming the field."""
+    no field can take (NaN, Infinity, thousands of digits), a field ``unimplemented`` lists
+    set to something not "off", what ``precheck`` refuses on the raw body (sizes, before the
+    costlier validation), and any validation error, naming the field. A null in a field
+    whose default is not null means the default, as in OpenAI's API."""
     try:
         raw = await request.body()
     except ClientDisconnect:  # gone before its body arrived: nobody to answer
         raise APIError(400, "the client disconnected while sending the body") from None
     try:
-        data = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float)
-        found = _non_finite_at(data)
+        data = json.loads(raw, parse_constant=_BadNumber, parse_float=_parse_float,
+                          parse_int=_parse_int)
+        found = _bad_number_at(data)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     if found is not None:
         where = ".".join(str(p) for p in found[0])
-        raise APIError(400, f"{where}: {found[1]} is not a finite number", param=where)
+        raise APIError(400, f"{where}: {found[1].text} {found[1].why}", param=where)
     name = unimplemented_field(data, unimplemented or {})
     if name is not None:
         raise APIError(400, f"{name} is not supported by this server", param=name)
+    fields = model.model_fields
+    data = {k: v for k, v in data.items()
+            if v is not None or k not in fields or fields[k].default is None}
+    if precheck is not None:
+        precheck(data)
     try:
         body = model.model_validate(data)
     except ValidationError as e:
@@ -209,7 +226,7 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
     async def _engine_dead(request: Request, e: EngineDeadError):
         return APIError(503, str(e)).response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not async_engine.is_healthy:
             return APIError(503, f"the engine is not running: {async_engine.failure}").response()
@@ -229,7 +246,8 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await serving.tokenize(await _parse(request, TokenizeRequest))
+        return await serving.tokenize(await _parse(request, TokenizeRequest,
+                                                   precheck=serving.check_chat_size))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -237,12 +255,14 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest, COMPLETION_UNIMPLEMENTED)
+        body = await _parse(request, CompletionRequest, COMPLETION_UNIMPLEMENTED,
+                            serving.check_completion_size)
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest, CHAT_UNIMPLEMENTED)
+        body = await _parse(request, ChatCompletionRequest, CHAT_UNIMPLEMENTED,
+                            serving.check_chat_size)
         return await serving.chat(body, request)
 
     return app

@@ -126,8 +126,7 @@ class AsyncEngine:
                     added.append(request_id)
                     self._streams[request_id] = (loop, outputs)
             except BaseException:
-                for request_id in added:
-                    self._abort(engine, request_id)
+                self._abort(engine, added)
                 raise
 
         await self.call(add_all)
@@ -149,11 +148,11 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort([request_id])
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request from any thread (no-op once it finished)."""
-        self._commands.put((lambda e: self._abort(e, request_id), None))
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests from any thread, in one command (no-op for those that finished)."""
+        self._commands.put((lambda e: self._abort(e, request_ids), None))
 
     # ---- the engine thread --------------------------------------------------------------------
 
@@ -163,9 +162,10 @@ class AsyncEngine:
         if self._stopping:
             raise EngineDeadError("the server is shutting down")
 
-    def _abort(self, engine: LLMEngine, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        engine.abort_request(request_id)
+    def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        engine.abort_request(request_ids)
 
     def _run_command(self, command: Any) -> None:
         fn, future = command

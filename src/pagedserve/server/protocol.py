@@ -36,6 +36,8 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[StrictInt, BeforeValidator(_integral)]  # a JSON integer, or 4.0; never true
+MAX_PROMPTS = 2048  # prompts in one completions request (OpenAI's bound for a batch)
+MAX_DETOKENIZE_TOKENS = 131_072
 
 # Request fields of OpenAI's API or vLLM's that change what is generated and are not
 # implemented here, each with the values besides null that mean "off" (some clients send
@@ -88,7 +90,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     seed: Int | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # strict: no per-item Python validator
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: Int | None = None
@@ -145,7 +147,7 @@ class _SamplingFields(BaseModel):
         return SamplingParams(**fields)
 
 
-PromptInput = (StrictStr | list[StrictStr] | list[Int] | list[list[Int]])
+PromptInput = (StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])
 
 
 class CompletionRequest(_SamplingFields):
@@ -201,4 +203,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
-    tokens: Annotated[list[Int], Field(max_length=1_000_000)]
+    tokens: Annotated[list[StrictInt], Field(max_length=MAX_DETOKENIZE_TOKENS)]

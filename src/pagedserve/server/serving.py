@@ -22,12 +22,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedserve.inputs import InputProcessor, ProcessedPrompt
+from pagedserve.inputs import InputProcessor, ProcessedPrompt, context_length_error, text_chars
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError, TooManyRequestsError
 from pagedserve.server.errors import RETRY_AFTER_SECONDS, APIError
 from pagedserve.server.protocol import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -167,12 +168,13 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError.bad_input(e, param) from None
 
-    async def add(self, requests: list[tuple[str, dict, SamplingParams]]
-                  ) -> list[AsyncIterator[RequestOutput]]:
+    async def add(self, requests: list[tuple[str, dict, SamplingParams]], body: Any,
+                  sent_as: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Add the requests in the engine thread; a refusal is a 400 naming the field."""
         try:
             return await self.engine.add(requests)
         except ValueError as e:
-            raise APIError.bad_input(e) from None
+            raise _bad_params(e, body, sent_as) from None
         except TooManyRequestsError as e:
             raise APIError(429, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
                            ) from None
@@ -189,16 +191,14 @@ class OpenAIServing:
                 yield _sse(err.body())
                 yield DONE
             finally:
-                for i in ids:
-                    self.engine.abort(i)
+                self.engine.abort(ids)
         return guarded()
 
     async def guard_await(self, work: Awaitable[Any], ids: list[str]) -> Any:
         try:
             return await work
         finally:
-            for i in ids:
-                self.engine.abort(i)
+            self.engine.abort(ids)
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -239,6 +239,43 @@ class OpenAIServing:
                                  for lp in alternatives]})
         return content
 
+    def check_completion_size(self, data: dict) -> None:
+        """Refuse, before validating it item by item, a completions body with more than
+        MAX_PROMPTS prompts or a token-id prompt longer than the context."""
+        prompt = data.get("prompt")
+        if not isinstance(prompt, list):
+            return
+        if prompt and isinstance(prompt[0], list):
+            if len(prompt) > MAX_PROMPTS:
+                raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got "
+                                    f"{len(prompt)}", param="prompt")
+            lengths = [len(p) for p in prompt if isinstance(p, list)]
+        elif prompt and isinstance(prompt[0], str):
+            if len(prompt) > MAX_PROMPTS:
+                raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got "
+                                    f"{len(prompt)}", param="prompt")
+            return
+        else:
+            lengths = [len(prompt)]
+        if max(lengths, default=0) > self.max_model_len:
+            raise APIError.bad_input(context_length_error(self.max_model_len, max(lengths)),
+                                     "prompt")
+
+    def check_chat_size(self, data: dict) -> None:
+        """Refuse, before validating and rendering them, messages that cannot fit the
+        context: more messages than tokens, or more text than any prompt of max_model_len
+        tokens can hold."""
+        messages = data.get("messages")
+        try:
+            if isinstance(messages, list):
+                self.inputs.check_message_count(len(messages))
+                self.inputs.check_text_length(text_chars(messages))
+            if isinstance(data.get("prompt"), str):
+                self.inputs.check_text_length(len(data["prompt"]))
+        except ValueError as e:
+            raise APIError.bad_input(e, "messages" if messages is not None else "prompt") \
+                from None
+
     # ---- GET /v1/models --------------------------------------------------------------------
 
     def model_card(self) -> dict:
@@ -258,7 +295,7 @@ class OpenAIServing:
     async def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give either 'prompt' or 'messages'")
+            raise APIError(400, "give either 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             _, tokens = await self.off_loop(self.inputs.render_chat, messages, param="messages")
@@ -295,22 +332,35 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported",
                            param="logprobs")
-        processed = [await self.off_loop(self.inputs.process_prompt, p, param="prompt")
-                     for p in prompts]
-        if max_tokens == 0:
-            return self._echo_only(body, processed)
-        try:
-            params = body.sampling_params(max_tokens, body.logprobs)
+        try:  # validated even when nothing is generated (echo with max_tokens 0)
+            params = body.sampling_params(max_tokens or None, body.logprobs)
         except ValueError as e:
             raise _bad_params(e, body) from None
+        processed = [await self.off_loop(self._prompt_of, p, body.echo, param="prompt")
+                     for p in prompts]
+        if max_tokens == 0:
+            try:
+                self.inputs.check_params(params)
+                for p in processed:
+                    self.inputs.check_fits(params, len(p.token_ids))
+            except ValueError as e:
+                raise _bad_params(e, body) from None
+            return self._echo_only(body, processed)
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [f"{rid}-{i}" for i in range(len(prompts))]
         streams = await self.add([(i, _engine_prompt(p, body.cache_salt), params)
-                                  for i, p in zip(ids, processed)])
+                                  for i, p in zip(ids, processed)], body)
         if body.stream:
             return EventStream(self.guard(self._stream_completion(body, rid, streams), ids))
         return await _unless_disconnected(request, self.guard_await(
             self._full_completion(body, rid, streams), ids))
+
+    def _prompt_of(self, prompt: Any, echo: bool) -> ProcessedPrompt:
+        """The prompt tokenized and checked; with ``echo`` a token-id prompt gets its text."""
+        p = self.inputs.process_prompt(prompt)
+        if echo and p.text is None and self.inputs.tokenizer is not None:
+            p = p._replace(text=self.inputs.tokenizer.decode(p.token_ids))
+        return p
 
     def _echo_only(self, body: CompletionRequest, processed: list[ProcessedPrompt]) -> Any:
         tokenizer = self.inputs.tokenizer
@@ -370,6 +420,7 @@ class OpenAIServing:
                                       "stop_reason": stop_reason}]})
 
         started: set[int] = set()
+        done: set[int] = set()  # choices already sent with their finish_reason
         async for i, out in _merged(streams):
             if (err := _failed(out)) is not None:
                 raise err
@@ -382,9 +433,11 @@ class OpenAIServing:
                         offsets[i * body.n + k] = len(out.prompt or "")
                         yield chunk(i * body.n + k, out.prompt or "", None, None, None)
             for c in out.outputs:
-                if not c.text and not c.token_ids and c.finish_reason is None:
-                    continue
                 index = i * body.n + c.index
+                if index in done or (not c.text and not c.token_ids and c.finish_reason is None):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(index)
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if body.logprobs is not None:
@@ -423,7 +476,7 @@ class OpenAIServing:
                                         body.add_generation_prompt, param="messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = _engine_prompt(ProcessedPrompt(text, ids, None), body.cache_salt)
-        (stream,) = await self.add([(rid, prompt, params)])
+        (stream,) = await self.add([(rid, prompt, params)], body, field)
         if body.stream:
             return EventStream(self.guard(self._stream_chat(body, rid, stream, top_k), [rid]))
         return await _unless_disconnected(request, self.guard_await(
@@ -459,16 +512,21 @@ class OpenAIServing:
         # Tokens whose text is held back (a partial character or stop-string prefix) send
         # nothing until there is text: their logprobs wait here for the next chunk.
         held: dict[int, list[dict]] = {}
+        done: set[int] = set()  # choices already sent with their finish_reason
         async for out in stream:
             if (err := _failed(out)) is not None:
                 raise err
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             for c in out.outputs:
+                if c.index in done:
+                    continue
                 completion_tokens += len(c.token_ids)
                 if body.logprobs:
                     held.setdefault(c.index, []).extend(self.chat_logprobs(c, top_k))
                 if not c.text and c.finish_reason is None:
                     continue
+                if c.finish_reason is not None:
+                    done.add(c.index)
                 logprobs = {"content": held.pop(c.index, [])} if body.logprobs else None
                 yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
                               "logprobs": logprobs, "finish_reason": c.finish_reason,
