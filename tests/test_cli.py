@@ -204,3 +204,23 @@ def test_bench_runs_a_benchmark_script(capsys):
 def test_bench_roofline_refuses_batches_beyond_its_kv_cache(tiny_llama, capsys):
     assert main(["bench", "roofline", "--model", tiny_llama, "--batches", "100000"]) == 2
     assert "the 2 GiB cache holds" in capsys.readouterr().err
+
+
+def test_the_console_script_exits_once_it_has_printed(tiny_llama):
+    """``pagedserve`` (cli.run) ends right after the answer, skipping the interpreter's
+    second-long teardown of torch; piped into a reader that stops early, it still exits 0."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("pagedserve")
+    assert exe is not None
+    cmd = [exe, "generate", "Once upon a time", "--model", tiny_llama, "--max-tokens", "200",
+           "--ignore-eos", "--no-chat"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout.read(1)  # the first character arrived, then the reader goes away
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 0
+    # the answer is flushed before the immediate exit
+    done = subprocess.run(cmd[:5] + ["--max-tokens", "4", "--no-chat"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip()

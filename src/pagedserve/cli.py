@@ -256,10 +256,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.output:
         _check_writable(Path(args.output), Path(args.input))
     llm = LLM(**engine_kwargs(args))
-    if rows is not None:
-        _run_batch(llm, args, rows)
-    else:
-        _stream_one(llm, args)
+    try:
+        if rows is not None:
+            _run_batch(llm, args, rows)
+        else:
+            _stream_one(llm, args)
+    finally:
+        llm.llm_engine.shutdown()  # tensor-parallel workers stop before the process ends
 
 
 def _check_writable(out: Path, src: Path) -> None:
@@ -311,10 +314,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine = LLMEngine(**engine_kwargs(args))
     name = args.served_model_name or (
         "SmolLM2-135M-Instruct" if args.model is None else served_model_name(engine.model_path))
-    run_server(engine, name,
-               host=args.host, port=args.port, api_key=api_key,
-               max_num_waiting=args.max_num_waiting, max_body_bytes=args.max_body_bytes,
-               log_level=args.log_level)
+    try:
+        run_server(engine, name,
+                   host=args.host, port=args.port, api_key=api_key,
+                   max_num_waiting=args.max_num_waiting, max_body_bytes=args.max_body_bytes,
+                   log_level=args.log_level)
+    finally:
+        engine.shutdown()
 
 
 def parse_memory(text: str) -> int:
@@ -534,15 +540,29 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+    except BrokenPipeError:  # e.g. piped into `head` (before OSError, its base class)
+        sys.stderr.close()
+        return 0
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # e.g. piped into `head`
-        sys.stderr.close()
-        return 0
     return 0
+
+
+def run() -> None:
+    """The ``pagedserve`` console script: ``main``, then an immediate exit. Every command has
+    released what it holds by then (the engine's workers stopped, files closed), and the
+    interpreter's own teardown of torch and the tokenizer takes about a second after the
+    answer was printed."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (e.g. `| head`)
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
