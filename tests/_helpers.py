@@ -228,6 +228,19 @@ def write_llama_gguf(hf_dir: str, path: str, qtype_name: str) -> str:
 MODEL = "tiny"  # the served model name of LiveServer
 
 
+def pace(engine, seconds: float):
+    """Make every step of ``engine`` take at least ``seconds`` longer (a slow model, so that
+    a stream lasts long enough to watch); returns the engine."""
+    step = engine.step
+
+    def paced():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = paced
+    return engine
+
+
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 (a free port) in a thread, serving ``engine``."""
 

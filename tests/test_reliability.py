@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from _helpers import MODEL, LiveServer
+from _helpers import MODEL, LiveServer, pace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -467,14 +467,7 @@ def _stream_gaps(server, during) -> tuple[float, object]:
 @pytest.fixture(scope="module")
 def paced_server(tiny_llama):
     """Steps of at least 20 ms, so that a 60-token stream lasts over a second."""
-    engine = LLMEngine(tiny_llama, num_kv_blocks=256, block_size=4)
-    step = engine.step
-
-    def paced():
-        time.sleep(0.02)
-        return step()
-    engine.step = paced
-    s = LiveServer(engine)
+    s = LiveServer(pace(LLMEngine(tiny_llama, num_kv_blocks=256, block_size=4), 0.02))
     yield s
     s.stop()
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from _helpers import MODEL, LiveServer
+from _helpers import MODEL, LiveServer, pace
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve import LLMEngine
@@ -267,8 +267,10 @@ def test_body_size_limit_auth_and_queue_limit(tiny_llama):
                     s.url + "/v1/completions", json=long,
                     headers={"authorization": "Bearer sekret"}) for _ in range(4)))
 
-        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
         assert codes[0] == 200 and codes[-1] == 429, codes
+        assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
         assert good.completions.create(**OK_COMPLETION).usage.completion_tokens
     finally:
         s.stop()
@@ -289,15 +291,7 @@ def test_logprobs_are_finite_json(server):
 def slow_server(tiny_llama):
     """Steps take at least 10 ms, so a 400-token request runs for 4 s or more: an abort that
     lands within 2 s is the disconnect's doing, not the request finishing."""
-    engine = LLMEngine(tiny_llama, num_kv_blocks=2048, block_size=4)
-    step = engine.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return step()
-
-    engine.step = slow_step
-    s = LiveServer(engine)
+    s = LiveServer(pace(LLMEngine(tiny_llama, num_kv_blocks=2048, block_size=4), 0.01))
     yield s
     s.stop()
 
