@@ -11,6 +11,7 @@ prefill chunk only fills the KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,15 @@ def split_decodes(decodes: list[tuple[Sequence, int]]) -> list[list[tuple[Sequen
     return groups
 
 
+class PromptRows(NamedTuple):
+    """``count`` logits rows of ``seq``'s prompt positions from ``first`` on (each predicts
+    the prompt token after it)."""
+
+    seq: Sequence
+    first: int
+    count: int
+
+
 @dataclass
 class ModelRunnerOutput:
     """``logits`` [len(sample_seqs), vocab] float32: one row per sequence that samples, in
@@ -52,7 +62,7 @@ class ModelRunnerOutput:
 
     sample_seqs: list[Sequence] = field(default_factory=list)
     logits: torch.Tensor | None = None
-    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
     prompt_logits: torch.Tensor | None = None
 
 
@@ -93,7 +103,7 @@ def prepare_input(sched: SchedulerOutput, block_size: int
         if seq.request.prompt_logprobs is not None and seq.index == 0 \
                 and start < num_prompt - 1:
             count = min(start + n, num_prompt - 1) - start
-            out.prompt_rows.append((seq, start, count))
+            out.prompt_rows.append(PromptRows(seq, start, count))
             inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
         input_ids.extend(seq.token_ids[start:start + n])
         positions.extend(range(start, start + n))

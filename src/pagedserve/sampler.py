@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -187,16 +188,23 @@ class Sampler:
         return out
 
 
+class SampledRows(NamedTuple):
+    """Sequences with their rows of the logits, and the sampler's output for them (row j of
+    ``output`` is ``rows[j]``)."""
+
+    rows: list[tuple[Sequence, int]]
+    output: SamplerOutput
+
+
 def sample_requests(sampler: Sampler, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
-                    generator: torch.Generator, vocab_size: int, fail
-                    ) -> list[tuple[list[tuple[Sequence, int]], SamplerOutput]]:
-    """Sample ``rows`` (sequence, row of ``logits`` [B, vocab]) in one batch: [(rows, output)].
+                    generator: torch.Generator, vocab_size: int, fail) -> list[SampledRows]:
+    """Sample ``rows`` (sequence, row of ``logits`` [B, vocab]) in one batch.
     If the batch raises, each request's rows are sampled alone, and ``fail(request, error)``
     is called for the requests that still raise, so one request's failure is its own."""
     if not rows:
         return []
     try:
-        return [(rows, _sample_rows(sampler, rows, logits, generator, vocab_size))]
+        return [SampledRows(rows, _sample_rows(sampler, rows, logits, generator, vocab_size))]
     except Exception:
         pass
     groups: dict[int, list[tuple[Sequence, int]]] = {}
@@ -205,7 +213,8 @@ def sample_requests(sampler: Sampler, rows: list[tuple[Sequence, int]], logits: 
     results = []
     for group in groups.values():
         try:
-            results.append((group, _sample_rows(sampler, group, logits, generator, vocab_size)))
+            results.append(SampledRows(group, _sample_rows(sampler, group, logits, generator,
+                                                          vocab_size)))
         except Exception as e:
             fail(group[0][0].request, e)
     return results

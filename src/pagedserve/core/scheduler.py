@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -31,7 +31,7 @@ from pagedserve.sequence import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from pagedserve.output_processor import OutputProcessor
-    from pagedserve.sampler import SamplerOutput
+    from pagedserve.sampler import SampledRows, SamplerOutput
     from pagedserve.stats import StatsTracker
 
 logger = logging.getLogger("pagedserve")
@@ -42,12 +42,19 @@ NewSequence = Callable[[Request, int, list[int]], Sequence]
 Fail = Callable[[Request, BaseException], None]
 
 
+class ScheduledChunk(NamedTuple):
+    """A sequence and how many of its tokens this step computes."""
+
+    seq: Sequence
+    num_tokens: int
+
+
 @dataclass
 class SchedulerOutput:
     """One step's batch: each scheduled sequence with the number of tokens it computes, and
     the block copies the runner performs first (swap out, swap in, copy-on-write)."""
 
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -131,7 +138,7 @@ class Scheduler:
                 if seq.request.metrics.num_preemptions == 0 and seq.index == 0:
                     seq.request.num_cached_tokens = len(hits) * self.block_manager.block_size
             self.block_manager.allocate(seq, n, hits, out.blocks_to_copy)
-            out.scheduled.append((seq, n))
+            out.scheduled.append(ScheduledChunk(seq, n))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -283,7 +290,7 @@ class Scheduler:
             out.append((seq, i))
         return out
 
-    def append_sampled(self, samples: list[tuple[list[tuple[Sequence, int]], SamplerOutput]],
+    def append_sampled(self, samples: list[SampledRows],
                        outputs: OutputProcessor, stats: StatsTracker, fail: Fail) -> None:
         """Append each sampled token: metrics, logprobs, stop checks (``outputs``), and the
         sequence's blocks freed when that finished it. A request whose handling raises is
