@@ -2,7 +2,7 @@
 
 For each ``kv_cache_dtype`` it prints:
 - blocks: how many KV blocks the same memory holds, and the ratio to float16's and float32's;
-- perplexity on real English text (benchmarks/corpus.py), teacher-forced through the paged
+- perplexity on real English text (benchmarks/common.py), teacher-forced through the paged
   cache: windows of ``--window`` tokens, prefilled in chunks of 512 so later chunks read the
   stored (quantized) K/V of earlier ones, the logprob of every token after the first of its
   window (``SamplingParams(prompt_logprobs=0)``);

@@ -50,7 +50,7 @@ def run(model: str, work, mode: str, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--num-kv-blocks", type=int, default=1024,

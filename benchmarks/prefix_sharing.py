@@ -41,7 +41,7 @@ def run(model, prompts, caching: bool, max_tokens: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-requests", type=int, default=50)
     ap.add_argument("--prefix-tokens", type=int, default=800)

@@ -175,7 +175,7 @@ def sweep(name: str, url: str, model: str, work, rates: list[float], slo: float)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 4, 8])
     ap.add_argument("--num-requests", type=int, default=64,
                     help="per rate; fewer make a burst rather than a steady state")

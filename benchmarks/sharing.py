@@ -57,7 +57,7 @@ def run(model, prompts, mode: str, width: int, max_tokens: int) -> tuple:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6])

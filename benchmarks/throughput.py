@@ -6,7 +6,7 @@ skipped with a message when it is not installed).
 
 1. ShareGPT-like workload: prompt and output lengths from fixed-seed log-normal distributions
    (means near 160 and 340 tokens, clipped to 8..1024), prompts cut from real English text
-   (benchmarks/corpus.py), outputs forced to their length (ignore_eos), greedy. HF static runs
+   (benchmarks/common.py), outputs forced to their length (ignore_eos), greedy. HF static runs
    ``generate`` in batches of 32 in arrival order, each batch left-padded and run to its
    longest output; only the requested tokens count for everyone.
 2. Single-sequence decode (128 tokens after the prefill): pagedserve (as loaded, and with
@@ -224,7 +224,7 @@ def plot(path: str, sweep: dict, dtype: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,

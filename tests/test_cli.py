@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 
@@ -14,6 +15,9 @@ def test_parse_bytes():
     assert parse_bytes("4GiB") == 4 * 2**30
     assert parse_bytes("512MB") == 512 * 10**6
     assert parse_bytes("1000") == 1000
+    for bad in ("0.5b", "0", "4XB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
 
 
 def test_jsonl_batch(tiny_llama, tmp_path, capsys):

@@ -141,10 +141,28 @@ def test_bad_model_files(tmp_path, tiny_llama):
     (dict(device="bogus"), "unknown device"), (dict(dtype="bogus"), "unknown dtype"),
     (dict(dtype=torch.float64), "not supported"), (dict(device=torch.device("meta")), "meta"),
     (dict(seed=2**64), "seed must be"), (dict(seed="x"), "seed must be"),
+    (dict(tokenizer=5), "tokenizer must be a path"), (dict(kv_cache_dtype="int3"), "int3"),
+    (dict(gpu_memory_utilization=0.9), "unknown engine option 'gpu_memory_utilization'"),
 ])
 def test_bad_options_refused_before_loading(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM("/no/such/model/needed", **kwargs)  # refused before the path is even looked at
+
+
+def test_a_missing_tokenizer_path_is_one_clear_error(tiny_llama, tmp_path):
+    """A tokenizer path that does not exist is never looked up on a hub; a model directory
+    without tokenizer files says so in one line."""
+    with pytest.raises(ValueError, match="tokenizer path '/no/such/tok' does not exist"):
+        LLM(tiny_llama, tokenizer="/no/such/tok")
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{tiny_llama}/{name}", bare / name)
+    with pytest.raises(ValueError, match="needs tokenizer.json or tokenizer.model") as info:
+        LLM(str(bare))
+    assert "\n" not in str(info.value)
 
 
 def test_kv_cache_larger_than_memory(tiny_llama):

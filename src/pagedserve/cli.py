@@ -33,9 +33,12 @@ def parse_bytes(text: str) -> int:
     if m is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB)")
     try:
-        return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+        value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
     except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a size of at least 1 byte: {text!r}")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -276,12 +279,23 @@ def _check_writable(out: Path, src: Path) -> None:
         raise ValueError(f"--output {out}: cannot write there")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's default in ``--help``, where it has one and its help does not state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS) and "default" not in text \
+                and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (``error: ...``, exit status 2) and every flag's default
     in ``--help``."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -308,6 +322,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     api_key = args.api_key if args.api_key is not None else envs.api_key()
     if api_key == "":
         raise ValueError("the API key is empty")
+    if args.served_model_name == "":
+        raise ValueError("--served-model-name is empty")
     from pagedserve.engine import LLMEngine
     from pagedserve.server import run_server
 
@@ -430,27 +446,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", help="JSONL results (default: stdout)")
     chat = g.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="apply the chat template (default when the model has one)")
-    chat.add_argument("--no-chat", dest="chat", action="store_false",
+                      help="apply the chat template (the default when the model has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", default=None,
                       help="send the prompt as raw text")
     s = g.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    s.add_argument("--top-k", type=int, default=0, help="0 or -1: all tokens")
+    s.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    s.add_argument("--min-tokens", type=int, default=0, help="EOS is masked until then")
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--seed", type=int, default=None, help="seed of the request and the engine")
+    s.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+    s.add_argument("--seed", type=int, default=None,
+                   help="seed of the request and the engine (default: unseeded request, "
+                        "engine seed 0)")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     v = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     v.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's name)")
@@ -462,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer 429 when this many requests already wait (default: no limit)")
     v.add_argument("--max-body-bytes", type=parse_bytes, default=None,
                    help="largest request body (default 16MiB)")
-    v.add_argument("--seed", type=int, default=None, help="the engine's seed")
+    v.add_argument("--seed", type=int, default=None,
+                   help="the seed unseeded requests share (default: 0)")
     v.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info logs every request)")

@@ -130,7 +130,8 @@ MAX_BLOCK_SIZE = 1024
 
 @dataclass
 class EngineArgs:
-    """Every option of ``LLM`` / ``LLMEngine`` (vLLM's names), validated on construction.
+    """Every option of ``LLM`` / ``LLMEngine`` (vLLM's names), validated on construction
+    (``device`` when the engine resolves it, since that needs torch).
 
     Raises:
         ValueError: a value of the wrong type or out of range, naming the option; an unknown
@@ -196,9 +197,16 @@ class EngineArgs:
         seed = self.seed
         if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
-        if self.model is not None and not isinstance(self.model, str) \
-                and not hasattr(self.model, "__fspath__"):
-            raise ValueError(f"model must be a path or None, got {self.model!r}")
+        for name in ("model", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value) \
+                    and not hasattr(value, "__fspath__"):
+                raise ValueError(f"{name} must be a path or None, got {value!r}")
+        if isinstance(self.dtype, str) and self.dtype != "auto":
+            canonical_dtype(self.dtype, MODEL_DTYPES)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            canonical_dtype(self.kv_cache_dtype, KV_CACHE_DTYPES[1:], "kv_cache_dtype")
+
         for name in ("skip_tokenizer_init", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

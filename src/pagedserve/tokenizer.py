@@ -18,17 +18,23 @@ _PROMPT_CONTEXT_TOKENS = 5
 
 
 def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> Any:
-    """A transformers tokenizer from an HF directory or (with ``gguf_file``) a GGUF file's
-    embedded vocabulary. Raises ValueError naming the path when it cannot be built."""
+    """A transformers tokenizer from a local HF directory or (with ``gguf_file``) a GGUF
+    file's embedded vocabulary; never from a hub. Raises ValueError naming the path when it
+    does not exist or the tokenizer cannot be built (one line)."""
     from transformers import AutoTokenizer
 
+    if not isinstance(path, (str, Path)) or not str(path) or not Path(path).exists():
+        raise ValueError(f"tokenizer path {path!r} does not exist (a local directory with "
+                         "tokenizer.json or tokenizer.model is needed)")
     try:
         if gguf_file is not None:
             return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types; callers need one clear one
         where = Path(path) / gguf_file if gguf_file else Path(path)
-        raise ValueError(f"cannot load a tokenizer from {where}: {e}") from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot load a tokenizer from {where} (it needs tokenizer.json or "
+                         f"tokenizer.model, or pass tokenizer=DIR): {first}") from e
 
 
 def check_text(text: str, what: str = "the prompt") -> None:

@@ -49,8 +49,7 @@ class APIError(Exception):
     def bad_input(cls, e: ValueError, param: str | None = None) -> APIError:
         """A refused request: 400, with OpenAI's code for a context-length error."""
         if isinstance(e, ContextLengthError):
-            return cls(400, str(e), "invalid_request_error", param or "messages",
-                       code="context_length_exceeded")
+            return cls(400, str(e), param=param or "messages", code="context_length_exceeded")
         return cls(400, str(e), param=param)
 
     def body(self) -> dict[str, Any]:

@@ -132,7 +132,9 @@ def _bad_params(e: ValueError, body: Any, sent_as: str | None = None) -> APIErro
     name = str(e).split(" ", 1)[0].rstrip(":").split("=", 1)[0]
     if sent_as is not None and name == "max_tokens":
         return APIError(400, str(e).replace("max_tokens", sent_as, 1), param=sent_as)
-    return APIError.bad_input(e, name if name in type(body).model_fields else None)
+    if name not in type(body).model_fields:  # e.g. a context-length error: the prompt's
+        name = "prompt" if "prompt" in type(body).model_fields else "messages"
+    return APIError.bad_input(e, name)
 
 
 class OpenAIServing:
