@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="a tensor-parallel worker (rank > 0) for another host",
                        description="Joins the tensor-parallel group described by MASTER_ADDR, "
                        "MASTER_PORT, RANK and WORLD_SIZE, takes the engine's options from rank "
-                       "0 and runs its shard until rank 0 stops (README: Tensor parallelism).")
+                       "0 and runs its shard until rank 0 stops (docs/tensor-parallel.md).")
     w.set_defaults(func=cmd_worker)
     return parser
 

@@ -7,7 +7,7 @@ embedding + the paged K/V write) and ``paged_decode_attention`` (decode attentio
 through the block tables, PagedAttention sec. 4.1, with no gather and no mask). The matmuls
 themselves go to ``packed_linear``: float32 weights prepacked once into 48-column panels
 (model/layers.py PackedLinear). At decode's few rows this beats MKL's sgemm, which packs the
-weight into its own layout inside every call (README, Speed); for the MLP's gate|up weight
+weight into its own layout inside every call (docs/performance.md); for the MLP's gate|up weight
 (``gated=True``) SwiGLU is its epilogue, in place of ``silu_and_mul``. Two more serve the LM
 head and the sampler: ``int8_linear`` (the int4 mode's Q8_0 LM head) and ``argmax``.
 Invariants:

@@ -66,8 +66,8 @@ def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     """Zeroed CPU memory advised for transparent huge pages (Linux ``madvise(MADV_HUGEPAGE)``),
     or None where the OS has no such advice or the tensor is under one huge page. Decode
     attention and the K/V write reach blocks scattered over gigabytes of cache, so with 4 KB
-    pages nearly every block they touch costs a TLB miss: with 2 MB pages, attention took
-    9-13% less time at batch 8, 64 and 256 (README, Speed). The mapping comes zeroed and the OS
+    pages nearly every block they touch costs a TLB miss, which 2 MB pages spare
+    (docs/performance.md has the measurement). The mapping comes zeroed and the OS
     commits it as it is touched (2 MB at a time where huge pages are granted), like calloc."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):

@@ -32,7 +32,7 @@ from torch import nn
 from pagedserve.config import QUANTIZATIONS
 
 GROUP_SIZE = 32
-SMALL_ROWS = 12  # measured crossover of the int4 kernel against bf16 F.linear (README Speed)
+SMALL_ROWS = 12  # measured crossover of the int4 kernel against bf16 F.linear (docs/performance.md)
 
 
 def check_quantization(method: str) -> None:
