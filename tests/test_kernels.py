@@ -37,9 +37,9 @@ def test_build_name_changes_with_source_and_flags(monkeypatch, tmp_path):
     name = kernels._build_name()
     assert kernels._build_name() == name
     assert kernels._build_name(("-mno-avx512f",)) != name
-    other = tmp_path / "cpu_ops.cpp"
-    other.write_text(kernels.SOURCE.read_text() + "\n// another version\n")
-    monkeypatch.setattr(kernels, "SOURCE", other)
+    other = tmp_path / "linear.cpp"
+    other.write_text(kernels.SOURCES[3].read_text() + "\n// another version\n")
+    monkeypatch.setattr(kernels, "SOURCES", [*kernels.SOURCES[:3], other, kernels.SOURCES[4]])
     assert kernels._build_name() != name
 
 

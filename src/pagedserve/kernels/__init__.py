@@ -1,4 +1,6 @@
-"""Fused CPU kernels (cpu_ops.cpp), compiled on first use with torch.utils.cpp_extension.
+"""Fused CPU kernels (C++ in this folder, one file per op family: norm.cpp, attention.cpp,
+sampling.cpp, linear.cpp; common.h holds the shared helpers, ops.cpp the registration),
+compiled on first use with torch.utils.cpp_extension.
 
 A float32 decode step on the CPU is dominated by the fixed cost of dispatching ~40 small torch
 ops per layer, not by arithmetic. The kernels replace those chains: ``add_rms_norm`` (residual
@@ -40,7 +42,11 @@ from pagedserve import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+HERE = Path(__file__).parent
+# One file per op family, the shared helpers and the registration (ops.cpp).
+SOURCES = [HERE / name for name in ("norm.cpp", "attention.cpp", "sampling.cpp", "linear.cpp",
+                                    "ops.cpp")]
+HEADERS = [HERE / "ops.h", HERE / "common.h"]
 ENV = "PAGEDSERVE_CPU_KERNELS"
 # torch's build lock is a bare file: a build killed by SIGTERM/SIGKILL leaves it behind and
 # every later build waits on it forever. One older than this is taken as stale and removed.
@@ -64,7 +70,8 @@ def _build_name(extra_flags: tuple[str, ...] = ()) -> str:
     except OSError:
         pass
     h = hashlib.sha256()
-    for part in (cpu, SOURCE.read_text(), os.environ.get("CXX", "c++"), torch.__version__,
+    sources = "".join(p.read_text() for p in (*SOURCES, *HEADERS))
+    for part in (cpu, sources, os.environ.get("CXX", "c++"), torch.__version__,
                  os.path.dirname(torch.__file__), *BASE_FLAGS, *extra_flags):
         h.update(part.encode() + b"\0")
     return f"pagedserve_cpu_ops_{h.hexdigest()[:16]}"
@@ -92,7 +99,7 @@ def _wait_for_build_lock(lock: Path) -> None:
 
 
 def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...] = ()):
-    """Compile (or load from torch's cache) cpu_ops.cpp as extension ``name`` with its ops
+    """Compile (or load from torch's cache) the kernel sources as extension ``name`` with its ops
     registered under ``torch.ops.<namespace>``, which it returns. ``extra_flags`` go to g++
     after ``-O3 -march=native`` (the tests build a portable variant with ``-mno-avx512f``).
     Raises RuntimeError when there is no C++ compiler or no ninja, and what
@@ -106,7 +113,7 @@ def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...]
         raise RuntimeError("ninja not found (pip install ninja)")
     _wait_for_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
     flags = [*BASE_FLAGS, f"-DOPS_NAMESPACE={namespace}", *extra_flags]
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+    cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)
 

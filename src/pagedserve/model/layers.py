@@ -93,7 +93,7 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-PANEL = 48  # output columns per panel of a packed weight (PANEL in kernels/cpu_ops.cpp)
+PANEL = 48  # output columns per panel of a packed weight (PANEL in kernels/linear.cpp)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,36 @@
+// Fused CPU kernels of the decoder's hot path (see kernels/__init__.py for when they are used):
+// the torch registration of every op. Each kernel replaces a chain of small torch ops whose
+// per-op dispatch cost, not arithmetic, dominated a decode step. All arithmetic is float32
+// whatever the storage dtype (float32 or bfloat16); every kernel has a torch reference in the
+// model code and a test comparing the two. Work is split over rows (tokens, sequences, or
+// sequence x KV head) with at::parallel_for, ATen's own thread pool.
+#include <torch/library.h>
+
+#include "ops.h"
+
+// The op namespace: torch.ops.pagedserve, or another one for a second build in the same
+// process (the test of the portable, non-AVX-512 build).
+TORCH_LIBRARY(OPS_NAMESPACE, m) {
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? y, Tensor weight, float eps, "
+        "ScalarType out_dtype) -> Tensor");
+  m.def("silu_and_mul(Tensor x, ScalarType out_dtype) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n, "
+        "Tensor(a!)? out_buffer=None, bool gated=False) -> Tensor(a)");
+  m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
+        "ScalarType q_dtype) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(OPS_NAMESPACE, CPU, m) {
+  m.impl("add_rms_norm", &OPS_NAMESPACE::add_rms_norm);
+  m.impl("silu_and_mul", &OPS_NAMESPACE::silu_and_mul);
+  m.impl("argmax", &OPS_NAMESPACE::argmax);
+  m.impl("int8_linear", &OPS_NAMESPACE::int8_linear);
+  m.impl("packed_linear", &OPS_NAMESPACE::packed_linear);
+  m.impl("rotary_write_kv", &OPS_NAMESPACE::rotary_write_kv);
+  m.impl("paged_decode_attention", &OPS_NAMESPACE::paged_decode_attention);
+}
