@@ -2,14 +2,18 @@
 
 Projections are fused (q|k|v in one matmul, gate|up in another) to cut kernel launches and
 Python overhead per layer; weight loading splits the checkpoint's separate tensors into them.
-Each module has two forwards: ``forward`` in torch ops (the reference, every device and dtype),
-and ``forward_fused`` calling the fused CPU kernels of pagedserve.kernels (``ops``), which the
-model uses for a float32 model with an unquantized KV cache on the CPU.
+Each module has one forward, in vLLM's residual form (a norm adds the previous block's output
+into the residual stream before normalizing it), and chooses inside itself between torch ops
+(the reference, every device and dtype) and the fused CPU kernels of pagedserve.kernels, as the
+model's shared ``KernelState`` says: the kernels for a float32 model with an unquantized KV
+cache on the CPU.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +26,38 @@ from pagedserve.distributed.parallel_state import SINGLE, TPGroup
 from pagedserve.kv.cache import LayerKVCache
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019): one fused ``F.rms_norm`` call.
-    x [..., hidden] -> same shape and dtype."""
+@dataclass
+class KernelState:
+    """What every layer of one model reads to choose its ops: ``ops`` (pagedserve.kernels, or
+    None for torch), ``act_dtype`` (what the projections take: bfloat16 for int4 layers, else
+    float32) and ``fused`` (the kernels run this step: ops and an unquantized KV cache)."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    ops: Any = None
+    act_dtype: torch.dtype = torch.float32
+    fused: bool = False
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) in residual form: ``forward(residual, y)``
+    adds ``y`` (the previous block's output, or None) into ``residual`` [T, hidden] in place and
+    returns RMSNorm(residual), in ``out_dtype`` with the fused kernel (the layer's act_dtype by
+    default), else in residual's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: KernelState | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels = kernels or KernelState()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, residual: torch.Tensor, y: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        k = self.kernels
+        if k.fused:
+            return k.ops.add_rms_norm(residual, y, self.weight, self.eps,
+                                      out_dtype or k.act_dtype)
+        if y is not None:
+            residual.add_(y)
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -171,28 +196,32 @@ class GatedMLP(nn.Module):
     """SwiGLU MLP (Shazeer 2020): down(silu(gate(x)) * up(x)), gate|up fused. Under tensor
     parallelism ``intermediate_size`` is this rank's columns and the output is all-reduced."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE,
+                 kernels: KernelState | None = None):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.tp = tp
+        self.kernels = kernels or KernelState()
 
     def _gated(self) -> bool:
         return getattr(self.gate_up_proj, "gated", False)  # SwiGLU in the matmul's epilogue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. With the kernels x and the result are of act_dtype
+        (the result float32 under tensor parallelism, for the all-reduce)."""
+        k = self.kernels
         if self._gated():
-            return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
-
-    def forward_fused(self, x: torch.Tensor, ops, act_dtype: torch.dtype) -> torch.Tensor:
-        """x [T, hidden] of ``act_dtype`` (what the projections take) -> [T, hidden] of
-        ``act_dtype`` (float32 under tensor parallelism, for the all-reduce)."""
-        h = self.gate_up_proj(x) if self._gated() \
-            else ops.silu_and_mul(self.gate_up_proj(x), act_dtype)
+            h = self.gate_up_proj(x)
+        elif k.fused:
+            h = k.ops.silu_and_mul(self.gate_up_proj(x), k.act_dtype)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
         out = self.down_proj(h)
-        return self.tp.all_reduce(out.float()) if self.tp.world_size > 1 else out
+        if k.fused and self.tp.world_size > 1:
+            out = out.float()
+        return self.tp.all_reduce(out)
 
 
 class Attention(nn.Module):
@@ -200,9 +229,11 @@ class Attention(nn.Module):
     Qwen2). Under tensor parallelism ``config`` is this rank's shard (its heads and KV heads)
     and the output is all-reduced."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE,
+                 kernels: KernelState | None = None):
         super().__init__()
         self.tp = tp
+        self.kernels = kernels or KernelState()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -215,7 +246,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes this layer's new K/V into ``kv_cache``."""
+        """x [T, hidden] -> [T, hidden]; writes this layer's new K/V into ``kv_cache``. With
+        the kernels: rotary + K/V write and decode attention fused, x and the result of
+        act_dtype (the result float32 under tensor parallelism)."""
+        if self.kernels.fused:
+            return self._forward_fused(x, rope, kv_cache, md)
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k are adjacent in the fused output: rotate them in one go
@@ -225,11 +260,9 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, md, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
-    def forward_fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      kv_cache: LayerKVCache, md: AttentionMetadata, ops,
-                      act_dtype: torch.dtype) -> torch.Tensor:
-        """As ``forward`` with the fused kernels: x [T, hidden] of ``act_dtype``; rope float32;
-        returns [T, hidden] of ``act_dtype`` (float32 under tensor parallelism)."""
+    def _forward_fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
+        ops, act_dtype = self.kernels.ops, self.kernels.act_dtype
         qkv = self.qkv_proj(x)
         q = ops.rotary_write_kv(qkv, rope[0], rope[1], kv_cache.k, kv_cache.v, md.slot_mapping,
                                 self.num_heads, self.num_kv_heads, torch.float32)

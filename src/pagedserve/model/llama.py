@@ -23,6 +23,7 @@ from pagedserve.model.layers import (
     PANEL,
     Attention,
     GatedMLP,
+    KernelState,
     PackedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -32,26 +33,19 @@ from pagedserve.model.layers import (
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup):
+    def __init__(self, config: ModelConfig, tp: TPGroup, kernels: KernelState):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
+        self.self_attn = Attention(config, tp, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp, kernels)
 
-    def forward(self, x, rope, kv_cache, md):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(self, residual, y, rope, kv_cache, md, ops, act_dtype):
-        """The same layer with the fused kernels, in vLLM's residual form: ``residual``
-        [T, hidden] float32 gets ``y`` (the previous layer's output, or None) added in place;
-        returns this layer's output, not yet added."""
-        eps = self.input_layernorm.eps
-        h = ops.add_rms_norm(residual, y, self.input_layernorm.weight, eps, act_dtype)
-        h = self.self_attn.forward_fused(h, rope, kv_cache, md, ops, act_dtype)
-        h = ops.add_rms_norm(residual, h, self.post_attention_layernorm.weight, eps, act_dtype)
-        return self.mlp.forward_fused(h, ops, act_dtype)
+    def forward(self, residual, y, rope, kv_cache, md):
+        """vLLM's residual form: ``residual`` [T, hidden] gets ``y`` (the previous layer's
+        output, or None) added in place; returns this layer's output, not yet added."""
+        h = self.self_attn(self.input_layernorm(residual, y), rope, kv_cache, md)
+        return self.mlp(self.post_attention_layernorm(residual, h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -72,12 +66,12 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start, vocab_rows = tp.vocab_shard(config.vocab_size)
         self.vocab_rows = vocab_rows
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(local, tp)
+        # one state every layer reads (use_kernels and forward set it)
+        self.kernels = KernelState()
+        self.layers = nn.ModuleList(DecoderLayer(local, tp, self.kernels)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.kernels)
         self.rotary: RotaryEmbedding | None = None
-        self.ops = None
-        self.act_dtype = torch.float32
         # (int8 [vocab rows, hidden], float32 scales [vocab rows, hidden / 32]) for
         # quantization="int4" (model/quant.py); None: the float LM head only
         self.lm_head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -106,12 +100,17 @@ class LlamaForCausalLM(nn.Module):
         self._unpack()
         embed = self.embed_tokens.weight
         usable = ops is not None and embed.dtype == torch.float32 and embed.device.type == "cpu"
-        self.ops = ops if usable else None
+        self.kernels.ops = ops if usable else None
         qkv = self.layers[0].self_attn.qkv_proj
-        self.act_dtype = torch.float32 if isinstance(qkv, nn.Linear) else torch.bfloat16
+        self.kernels.act_dtype = torch.float32 if isinstance(qkv, nn.Linear) else torch.bfloat16
         if self.ops is not None and pack_weights:
             self._pack(self.ops)
         return self.ops is not None
+
+    @property
+    def ops(self):
+        """The CPU kernels the model uses (pagedserve.kernels), or None."""
+        return self.kernels.ops
 
     def _linear_slots(self):
         """(module, attribute name) of every decoder projection."""
@@ -168,14 +167,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
-        if self.ops is not None and kv_caches[0].k_scale is None:
-            y = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                y = layer.forward_fused(x, y, rope, kv_cache, md, self.ops, self.act_dtype)
-            return self.ops.add_rms_norm(x, y, self.norm.weight, self.norm.eps, torch.float32)
+        # the fused layers read and write an unquantized cache only
+        self.kernels.fused = self.ops is not None and kv_caches[0].k_scale is None
+        y = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, md)
-        return self.norm(x)
+            y = layer(x, y, rope, kv_cache, md)
+        return self.norm(x, y, out_dtype=torch.float32)
 
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab rows, hidden]: the LM head, or the embedding when they are tied ([0, hidden]
