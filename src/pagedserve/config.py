@@ -12,7 +12,7 @@ step. Configs are passed down explicitly; no module reads configuration from glo
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pagedserve import envs
@@ -245,10 +245,6 @@ class EngineArgs:
 def fields_by_name() -> dict[str, Any]:
     """EngineArgs' dataclass fields by name, in declaration order."""
     return {f.name: f for f in fields(EngineArgs)}
-
-
-def engine_defaults() -> dict[str, Any]:
-    return {name: f.default for name, f in fields_by_name().items() if f.default is not MISSING}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -238,21 +238,22 @@ class LLMEngine:
         self.scheduler.step_beams(seqs, logits, self._new_sequence, self.stats, fail)
         touched = {id(s.request): s.request for s in seqs}
         touched.update(failed)  # a request failed before sampling (prompt logprobs) too
-        outputs = [out for r in touched.values() if (out := self._output(r, fail))]
+        done: list[Request] = []
+        outputs = [out for r in touched.values() if (out := self._output(r, fail, done))]
+        self.scheduler.finish_requests(done)  # once per step: it rebuilds the queues
         self.stats.finished(outputs)
         if self.cache_config.debug_checks:
             self.scheduler.check_invariants()
         return outputs
 
-    def _output(self, request: Request, fail) -> RequestOutput | None:
-        """This step's output of ``request`` (None if it has nothing to say); a finished
-        request is freed."""
+    def _output(self, request: Request, fail, done: list[Request]) -> RequestOutput | None:
+        """This step's output of ``request`` (or None); a finished one joins ``done``."""
         if request.error is None:
             try:
                 if request.is_finished:
                     out = self.output_processor.make_output(request)
                     request.metrics.finished_time = time.time()
-                    self.scheduler.finish_requests([request])
+                    done.append(request)
                     return out
                 if request.beam is None and \
                         request.params.output_kind != RequestOutputKind.FINAL_ONLY:
@@ -286,8 +287,7 @@ class LLMEngine:
         return self.stats.kv_cache_stats()
 
     def engine_stats(self) -> EngineStats:
-        """Gauges and counters now, with the first tokens and finished requests since the
-        last call (the server's metrics read only this)."""
+        """Gauges, counters, and the first tokens and finished requests since the last call."""
         return self.stats.snapshot()
 
     @property

@@ -326,8 +326,10 @@ class Scheduler:
                    stats: StatsTracker, fail: Fail) -> None:
         """The beam search requests among ``seqs`` (rows of ``logits``) select their next
         beams; a request whose selection raises is failed."""
-        row = {id(s): i for i, s in enumerate(seqs)}
         requests = {id(s.request): s.request for s in seqs if s.request.beam is not None}
+        if not requests:
+            return
+        row = {id(s): i for i, s in enumerate(seqs)}
         for request in requests.values():
             if request.is_finished:  # failed earlier in this step
                 continue
