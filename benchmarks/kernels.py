@@ -1,8 +1,8 @@
 """The fused CPU kernels (pagedserve/kernels) against the torch path they replace, in one
-process: the same engine decodes with the kernels and packed weights (what it runs), with the
-kernels but torch's (MKL's) matmuls (``use_kernels(ops, pack_weights=False)``), and without
-the kernels (``model.use_kernels(None)`` and the sampler's torch argmax), in interleaved
-rounds, best of ``--rounds``.
+process: three engines on the same model decode with the kernels and packed weights (what
+pagedserve runs), with the kernels but torch's (MKL's) matmuls (built under
+``PAGEDSERVE_CPU_KERNELS=unpacked``), and without the kernels (``=0``: the torch path and the
+sampler's torch argmax), in interleaved rounds, best of ``--rounds``.
 
 For float32 and ``quantization="int4"``: decode tokens/s at 1, 8, 32, 64 and 128 sequences
 (64-token prompts, prefill excluded, as roofline.py), and the ratios.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from common import decode_rate, positive
 from pagedserve import LLM, kernels
 
 MODES = ("packed", "kernels", "torch")  # packed: what the engine runs
+SWITCH = {"packed": "1", "kernels": "unpacked", "torch": "0"}  # PAGEDSERVE_CPU_KERNELS
 
 
 def main() -> int:
@@ -49,20 +51,22 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     out = {}
     for quantization in args.quantization:
-        llm = LLM(args.model, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=256,
-                  quantization=None if quantization == "none" else quantization)
-        engine = llm.llm_engine
-        model = engine.runner.model
+        llms = {}
+        for mode in MODES:
+            os.environ["PAGEDSERVE_CPU_KERNELS"] = SWITCH[mode]
+            llms[mode] = LLM(args.model, dtype="float32", kv_cache_memory=1 << 30,
+                             max_num_seqs=256,
+                             quantization=None if quantization == "none" else quantization)
+            decode_rate(llms[mode], 2, 64, 4)  # warm-up
+        os.environ.pop("PAGEDSERVE_CPU_KERNELS")
         rates: dict[str, dict[int, list[float]]] = {m: {b: [] for b in args.batches}
                                                      for m in MODES}
-        decode_rate(llm, 2, 64, 4)  # warm-up
         for _ in range(args.rounds):
             for mode in MODES:
-                model.use_kernels(None if mode == "torch" else ops, mode == "packed")
-                engine.sampler.ops = None if mode == "torch" else ops
                 for b in args.batches:
                     rates[mode][b].append(
-                        decode_rate(llm, b, 64, 16 if b == 1 else 32)["tokens_per_s"])
+                        decode_rate(llms[mode], b, 64, 16 if b == 1 else 32)["tokens_per_s"])
+        del llms
         name = "float32" if quantization == "none" else f"float32 + {quantization}"
         out[name] = {}
         for b in args.batches:

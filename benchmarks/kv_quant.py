@@ -33,7 +33,7 @@ from pathlib import Path
 from common import chats, text_logprobs, text_windows
 
 from pagedserve import LLM, SamplingParams, planner
-from pagedserve.loader.default_model import default_model_path
+from pagedserve.loader.fetched import default_model_path
 
 MODES = ("float32", "bfloat16", "float16", "int8", "fp8")
 

@@ -36,7 +36,7 @@ import torch
 from common import commit_kv_cache, decode_rate, positive
 
 from pagedserve import LLM
-from pagedserve.model.layers import pack_linear_weight
+from pagedserve.model.linear import pack_linear_weight
 
 
 def weight_shapes(cfg) -> list[tuple[str, int, int, int]]:

@@ -196,7 +196,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from pagedserve.loader.default_model import default_model_path
+    from pagedserve.loader.fetched import default_model_path
 
     gguf = default_model_path()
     hf_dir = hf_dir_from_gguf(gguf)

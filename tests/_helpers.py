@@ -72,12 +72,16 @@ def tiny_tokenizer():
 def save_tiny_model(path, arch: str = "llama", **overrides) -> str:
     """A small random transformers model saved as an HF directory; returns the path."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -87,6 +91,13 @@ def save_tiny_model(path, arch: str = "llama", **overrides) -> str:
     torch.manual_seed(1234)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "gemma3":  # 5 sliding-window layers of 8 positions, then a global one
+        common.update(num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True,
+                      **overrides)
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common))
+    elif arch == "qwen3":  # head_dim apart from hidden / heads, as in the real Qwen 3
+        common.setdefault("head_dim", 32)
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))
     else:
@@ -175,10 +186,11 @@ def _random_k_quant(rows: int, cols: int, qtype, rng) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def write_llama_gguf(hf_dir: str, path: str, qtype_name: str) -> str:
-    """Convert a tiny HF Llama to a GGUF file the way llama.cpp does (q/k permuted), with the
-    2-D weights in ``qtype_name``. K-quants get random valid blocks (gguf-py cannot quantize
-    them), so both readers dequantize the same bytes."""
+def write_llama_gguf(hf_dir: str, path: str, qtype_name: str, arch: str = "llama") -> str:
+    """Convert a tiny HF model to a GGUF file of architecture ``arch`` (llama, qwen2, qwen3)
+    the way llama.cpp does (q/k permuted for llama), with the 2-D weights in
+    ``qtype_name``. K-quants get random valid blocks (gguf-py cannot quantize them), so both
+    readers dequantize the same bytes."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from transformers import AutoModelForCausalLM
@@ -187,7 +199,7 @@ def write_llama_gguf(hf_dir: str, path: str, qtype_name: str) -> str:
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = model.config
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -197,19 +209,26 @@ def write_llama_gguf(hf_dir: str, path: str, qtype_name: str) -> str:
     w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not c.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for i in range(c.num_hidden_layers):
         for hf_name, g_name in _GGUF_LAYER:
             names[f"model.layers.{i}.{hf_name}.weight"] = f"blk.{i}.{g_name}.weight"
+        for x in "qkv" if arch == "qwen2" else "":
+            names[f"model.layers.{i}.self_attn.{x}_proj.bias"] = f"blk.{i}.attn_{x}.bias"
+        for x in "qk" if arch == "qwen3" else "":
+            names[f"model.layers.{i}.self_attn.{x}_norm.weight"] = f"blk.{i}.attn_{x}_norm.weight"
     rng = np.random.default_rng(0)
     for hf_name, g_name in names.items():
         x = sd[hf_name]
-        if ".attn_q." in g_name:
+        if arch == "llama" and ".attn_q." in g_name:
             x = _permute(x, c.num_attention_heads)
-        elif ".attn_k." in g_name:
+        elif arch == "llama" and ".attn_k." in g_name:
             x = _permute(x, c.num_key_value_heads)
         if x.ndim == 1 or qtype == T.F32:
             w.add_tensor(g_name, np.ascontiguousarray(x, dtype=np.float32))

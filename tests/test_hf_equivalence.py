@@ -1,5 +1,5 @@
 """Whole-model greedy output against transformers, token for token, on tiny random models:
-Llama and Qwen2 with GQA over every chunk budget and block size, plus MQA, tied embeddings,
+Llama, Qwen2, Qwen3 and Gemma 3 (sliding-window layers) with GQA over every chunk budget and block size, plus MQA, tied embeddings,
 rope scaling, Mistral, and GGUF files of each supported tensor type."""
 
 from __future__ import annotations
@@ -23,23 +23,26 @@ NEW_TOKENS = 12
 
 
 def run_engine(path, prompts, max_new_tokens=NEW_TOKENS, cpu_kernels=True, **kwargs):
-    """Greedy tokens of pagedserve; ``cpu_kernels=False`` runs the torch path (what other
-    devices, dtypes and quantized KV caches run) instead of the fused CPU kernels."""
-    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", **kwargs)
+    """Greedy tokens of pagedserve; ``cpu_kernels=False`` (or "unpacked": the kernels with
+    torch's matmuls) is the model built without them: the torch path, what other devices,
+    dtypes and quantized KV caches run."""
+    with pytest.MonkeyPatch.context() as mp:
+        if cpu_kernels is not True:
+            mp.setenv("PAGEDSERVE_CPU_KERNELS", cpu_kernels or "0")
+        llm = LLM(path, skip_tokenizer_init=True, dtype="float32", **kwargs)
     model = llm.llm_engine.runner.model
-    assert (model.ops is not None) == (kernels.load() is not None)
-    if not cpu_kernels:
-        model.use_kernels(None)
-        llm.llm_engine.sampler.ops = None
+    assert (model.ops is not None) == (cpu_kernels is not False and kernels.load() is not None)
+    assert (llm.llm_engine.sampler.ops is None) == (model.ops is None)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
-def references(tiny_llama, tiny_qwen2):
+def references(tiny_llama, tiny_qwen2, tiny_qwen3, tiny_gemma3):
     refs = {}
-    for name, path in (("llama", tiny_llama), ("qwen2", tiny_qwen2)):
+    for name, path in (("llama", tiny_llama), ("qwen2", tiny_qwen2), ("qwen3", tiny_qwen3),
+                       ("gemma3", tiny_gemma3)):
         model = load_hf(path)
         refs[name] = (path, hf_greedy(model, PROMPTS, NEW_TOKENS), hf_logits_fn(model))
     return refs
@@ -47,13 +50,13 @@ def references(tiny_llama, tiny_qwen2):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("budget", [1, 7, 16, 64, 4096])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_greedy_matches_transformers(references, arch, budget, block_size):
     check_greedy(references, arch, budget, block_size, cpu_kernels=True)
 
 
 @pytest.mark.parametrize("budget", [1, 7, 16, 64, 4096])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_torch_path_matches_transformers(references, arch, budget):
     """The fallback of the fused CPU kernels, and what other devices run."""
     check_greedy(references, arch, budget, 16, cpu_kernels=False)
@@ -90,11 +93,16 @@ def test_llama_variants(tmp_path, variant):
         assert_greedy_match(o, r, PROMPTS[i], hf_logits_fn(model), f"{variant} prompt {i}")
 
 
-def test_mistral(tmp_path):
-    path = save_tiny_model(tmp_path, "mistral")
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_mistral_sliding_window(tmp_path, cpu_kernels):
+    """Every layer attends the last 8 positions: prompts up to 45 tokens and 12 more slide
+    the window over cached blocks, in prefill chunks and decodes."""
+    path = save_tiny_model(tmp_path, "mistral", sliding_window=8)
     model = load_hf(path)
     ref = hf_greedy(model, PROMPTS, NEW_TOKENS)
-    _, ours = run_engine(path, PROMPTS, num_kv_blocks=64)
+    llm, ours = run_engine(path, PROMPTS, cpu_kernels=cpu_kernels, num_kv_blocks=128,
+                           block_size=4, max_num_batched_tokens=16)
+    assert llm.llm_engine.scheduler_config.max_model_len == 512  # the full context, not 8
     for i, (o, r) in enumerate(zip(ours, ref)):
         assert_greedy_match(o, r, PROMPTS[i], hf_logits_fn(model), f"mistral prompt {i}")
 
@@ -112,6 +120,26 @@ def test_gguf_matches_transformers_on_the_same_file(tmp_path, qtype):
     _, ours = run_engine(gguf_path, prompts, num_kv_blocks=64)
     for i, (o, r) in enumerate(zip(ours, ref)):
         assert_greedy_match(o, r, prompts[i], hf_logits_fn(model), f"gguf {qtype} prompt {i}")
+
+
+@pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("qwen2", "qwen2"),
+                                         ("qwen3", "qwen3")])
+def test_every_family_loads_from_gguf(tmp_path, family, arch):
+    """A GGUF of each family as llama.cpp writes it (Mistral as architecture llama, q/k
+    permuted; q/k/v biases for qwen2, q/k norms for qwen3) against transformers reading the
+    same file."""
+    # transformers reads no head_dim from a qwen3 GGUF: it takes Qwen3's 128
+    extra = {"head_dim": 128} if family == "qwen3" else {}
+    hf_dir = save_tiny_model(tmp_path / "hf", family, hidden_size=128, intermediate_size=256,
+                             num_attention_heads=4, num_key_value_heads=2, **extra)
+    gguf_path = write_llama_gguf(hf_dir, str(tmp_path / f"{arch}.gguf"), "Q8_0", arch)
+    model = load_hf(str(tmp_path), gguf_file=f"{arch}.gguf")
+    assert type(model).__name__.lower().startswith(arch)
+    ref = hf_greedy(model, PROMPTS, NEW_TOKENS)
+    llm, ours = run_engine(gguf_path, PROMPTS, num_kv_blocks=64)
+    assert llm.llm_engine.model_config.architecture == type(model).__name__
+    for i, (o, r) in enumerate(zip(ours, ref)):
+        assert_greedy_match(o, r, PROMPTS[i], hf_logits_fn(model), f"{family} gguf prompt {i}")
 
 
 @pytest.mark.parametrize("variant", ["llama3_rope", "linear_rope", "rope_theta"])
@@ -183,69 +211,39 @@ def test_delta_stream_sends_prompt_logprobs_once(tiny_llama):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_packed_weights_round_trip(tmp_path, tied):
-    """With the kernels the projections and the LM head are kept only in packed form (the
-    embedding lookup reads the packed head when tied); use_kernels(None) restores the exact
-    float weights, and the two paths give the same greedy tokens."""
+def test_linear_layers_are_chosen_at_construction(tmp_path, tied):
+    """With the kernels the projections and the LM head are built packed (the float copy of
+    the head is dropped, the tied embedding looks its rows up in the packed one); without
+    them, or with ``unpacked``, they hold the checkpoint's weights. All three give the same
+    greedy tokens."""
     import torch
 
-    from pagedserve.model.layers import PackedLinear
+    from pagedserve.model.linear import Linear, PackedLinear, pack_gated_weight, pack_linear_weight
 
     if kernels.load() is None:
         pytest.skip("CPU kernels unavailable")
     path = save_tiny_model(tmp_path / "m", tie_word_embeddings=tied)
+    hf = load_hf(path).state_dict()
+    qkv = torch.cat([hf[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+    gate_up = torch.cat([hf[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")])
+    head = hf["model.embed_tokens.weight" if tied else "lm_head.weight"]
     llm, packed_tokens = run_engine(path, PROMPTS[:4])
     model = llm.llm_engine.runner.model
-    hf = load_hf(path).state_dict()
-    attn = model.layers[1].self_attn
-    assert isinstance(attn.qkv_proj, PackedLinear) and model.lm_head_packed is not None
-    assert model.layers[1].mlp.gate_up_proj.gated  # SwiGLU in the matmul's epilogue
-    head = model.embed_tokens if tied else model.lm_head
-    assert head.weight.numel() == 0  # the float copy was dropped
-    model.use_kernels(None)
-    llm.llm_engine.sampler.ops = None
-    assert isinstance(attn.qkv_proj, torch.nn.Linear) and model.lm_head_packed is None
-    assert torch.equal(attn.qkv_proj.weight, torch.cat([hf[f"model.layers.1.self_attn.{x}_proj.weight"]
-                                                        for x in "qkv"]))
-    assert torch.equal(model.layers[1].mlp.gate_up_proj.weight,
-                       torch.cat([hf[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")]))
-    assert torch.equal(model.embed_tokens.weight, hf["model.embed_tokens.weight"])
-    assert torch.equal(model.lm_head_weight(), hf["lm_head.weight"])
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == packed_tokens
-    model.use_kernels(kernels.load())  # and back
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == packed_tokens
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    assert isinstance(attn.qkv_proj, PackedLinear) and mlp.gated
+    assert torch.equal(attn.qkv_proj.weight, pack_linear_weight(qkv))
+    assert torch.equal(mlp.gate_up_proj.weight, pack_gated_weight(gate_up))
+    assert torch.equal(model.lm_head.packed, pack_linear_weight(head))
+    owner = model.embed_tokens if tied else model.lm_head
+    assert owner.weight.numel() == 0  # the float copy was dropped
     for bad in (-1, model.vocab_rows):  # the packed lookup checks bounds as nn.Embedding does
         with pytest.raises(IndexError):
             model.embed(torch.tensor([3, bad]))
-
-
-def test_a_failed_pack_is_undone(tiny_llama, monkeypatch):
-    """If packing stops half-way (here: the LM head), use_kernels(None) still unpacks the
-    layers already packed."""
-    import torch
-
-    from pagedserve.model import llama as llama_module
-
-    if kernels.load() is None:
-        pytest.skip("CPU kernels unavailable")
-    llm, tokens = run_engine(tiny_llama, PROMPTS[:2], cpu_kernels=False)
-    model = llm.llm_engine.runner.model
-    real_pack = llama_module.pack_linear_weight
-
-    def pack_fails_on_the_head(weight):
-        if weight.shape[0] == model.vocab_rows:
-            raise MemoryError("simulated")
-        return real_pack(weight)
-
-    monkeypatch.setattr(llama_module, "pack_linear_weight", pack_fails_on_the_head)
-    with pytest.raises(MemoryError):
-        model.use_kernels(kernels.load())
-    model.use_kernels(None)
-    assert all(type(m) is not llama_module.PackedLinear for m in model.modules())
-    assert all(isinstance(layer.mlp.down_proj, torch.nn.Linear) for layer in model.layers)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == tokens
+    for mode in (False, "unpacked"):
+        llm, tokens = run_engine(path, PROMPTS[:4], cpu_kernels=mode)
+        model = llm.llm_engine.runner.model
+        attn = model.layers[1].self_attn
+        assert type(attn.qkv_proj) is Linear and not model.layers[1].mlp.gated
+        assert torch.equal(attn.qkv_proj.weight, qkv)
+        assert model.lm_head.packed is None and torch.equal(model.lm_head.float_weight, head)
+        assert tokens == packed_tokens

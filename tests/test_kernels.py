@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(NATIVE is None and kernels.os.environ.get(kernel
                 params=["native", pytest.param("portable", marks=pytest.mark.slow)])
 def ops(request):
     """The kernels as the engine loads them (AVX-512 here), and built without AVX-512, so the
-    portable loops beside the intrinsics are tested too."""
+    portable branch of the SIMD type (kernels/vec.h) is tested too."""
     if request.param == "native":
         return NATIVE
     flags = ("-mno-avx512f",)
@@ -184,7 +184,7 @@ def test_packed_linear_matches_f_linear(ops, shape, bias):
     remainder, and x over 1 MB in row blocks: 600 x 576 in two; 72 x 11008 and 3865 x 1536,
     where rounding the block to whole tiles leaves fewer blocks than asked for (an empty last
     block divided by zero, SIGFPE, before)."""
-    from pagedserve.model.layers import pack_linear_weight, unpack_linear_weight
+    from pagedserve.model.linear import pack_linear_weight
 
     m, k, n = shape
     torch.manual_seed(4)
@@ -192,7 +192,7 @@ def test_packed_linear_matches_f_linear(ops, shape, bias):
     b = torch.randn(n) if bias else None
     packed = pack_linear_weight(w)
     assert packed.shape == (-(-n // 48), k, 48)
-    assert torch.equal(unpack_linear_weight(packed, n), w)
+    assert torch.equal(packed.transpose(1, 2).reshape(-1, k)[:n], w)  # column j of panel p: row 48 p + j
     expect = F.linear(x, w, b)
     tol = dict(rtol=1e-4, atol=1e-5 * k ** 0.5)  # sums of k terms of size ~1: ~sqrt(k)
     torch.testing.assert_close(ops.packed_linear(x, packed, b, n), expect, **tol)
@@ -208,14 +208,15 @@ def test_gated_packed_linear_is_swiglu(ops, shape):
     """gated=True: silu(x @ gate.T) * (x @ up.T) from the tile's epilogue, 24 gate and 24 up
     columns per panel (the last one padded: I = 7, 100, 30); bit for bit the unfused
     packed_linear + silu_and_mul, and close to torch's SwiGLU."""
-    from pagedserve.model.layers import pack_gated_weight, pack_linear_weight, unpack_gated_weight
+    from pagedserve.model.linear import pack_gated_weight, pack_linear_weight
 
     m, k, inter = shape
     torch.manual_seed(5)
     w, x = torch.randn(2 * inter, k), torch.randn(m, k)
     packed = pack_gated_weight(w)
     assert packed.shape == (-(-inter // 24), k, 48) and packed.is_contiguous()
-    assert torch.equal(unpack_gated_weight(packed, inter), w)
+    halves = packed.view(-1, k, 2, 24).permute(2, 0, 3, 1).reshape(2, -1, k)  # 24 gate | 24 up
+    assert torch.equal(halves[:, :inter].reshape(2 * inter, k), w)
     out = ops.packed_linear(x, packed, None, inter, None, True)
     unfused = ops.silu_and_mul(ops.packed_linear(x, pack_linear_weight(w), None, 2 * inter),
                                torch.float32)
@@ -229,7 +230,7 @@ def test_gated_packed_linear_is_swiglu(ops, shape):
 
 
 def test_packed_linear_refuses_bad_shapes(ops):
-    from pagedserve.model.layers import pack_linear_weight
+    from pagedserve.model.linear import pack_linear_weight
 
     packed = pack_linear_weight(torch.randn(100, 32))
     with pytest.raises(RuntimeError, match="does not fit"):
@@ -263,9 +264,9 @@ def test_no_compiler_falls_back_with_one_reason(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         kernels.build("pagedserve_never_built")
-    kernels.load.cache_clear()
+    kernels._compiled.cache_clear()
     try:
         assert kernels.load() is None
         assert "no C++ compiler" in caplog.text and "running the torch path" in caplog.text
     finally:
-        kernels.load.cache_clear()
+        kernels._compiled.cache_clear()

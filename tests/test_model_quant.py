@@ -33,7 +33,7 @@ def _q4_1_weight(n=48, k=128, seed=0):
 
 def test_q4_1_weights_are_repacked_exactly():
     w = _q4_1_weight()
-    layer = Int4Linear(w)
+    layer = Int4Linear.from_weight(w)
     assert torch.equal(layer.dense.float(), w)
     x = torch.randn(SMALL_ROWS, w.shape[1])
     for rows in (1, 5, SMALL_ROWS):  # the int4 kernel
@@ -44,7 +44,7 @@ def test_q4_1_weights_are_repacked_exactly():
 def test_other_weights_stay_within_half_a_step():
     w = torch.randn(64, 96) * torch.logspace(-3, 1, 96)  # columns of very different scales
     w[3, :32] = 0.25  # a constant group
-    layer = Int4Linear(w)
+    layer = Int4Linear.from_weight(w)
     groups = w.view(64, 3, GROUP_SIZE)
     step = (groups.amax(-1) - groups.amin(-1)) / 15
     bound = 0.5 * step + 2 ** -8 * (groups.abs().amax(-1) + 8 * step)  # + bf16 scale rounding
@@ -56,7 +56,7 @@ def test_other_weights_stay_within_half_a_step():
 
 def test_kernel_and_bfloat16_copy_agree():
     w = torch.randn(208, 64)
-    layer = Int4Linear(w)
+    layer = Int4Linear.from_weight(w)
     assert layer.packed is not None
     x = torch.randn(40, 64)
     dense = F.linear(x.bfloat16(), layer.dense).float()
@@ -66,13 +66,13 @@ def test_kernel_and_bfloat16_copy_agree():
         assert ((layer(x[:rows]) - dense[:rows]).abs() <= bound[:rows]).all()
     assert torch.equal(layer(x), dense)  # more rows: the bfloat16 copy itself
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    odd = Int4Linear(w[:200])  # no kernel for 200 rows: the bfloat16 copy at every size
+    odd = Int4Linear.from_weight(w[:200])  # no kernel for 200 rows: the bfloat16 copy at every size
     assert odd.packed is None and torch.equal(odd(x[:1]), dense[:1, :200])
 
 
 def test_bad_shapes_and_options_are_refused(tiny_qwen2, tiny_llama):
     with pytest.raises(ValueError, match="divisible by 32"):
-        Int4Linear(torch.randn(8, 48))
+        Int4Linear.from_weight(torch.randn(8, 48))
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         LLM(tiny_llama, skip_tokenizer_init=True, quantization="int3")
     with pytest.raises(ValueError, match="with a bias"):
@@ -85,7 +85,7 @@ def _patch_hf_linears(model) -> None:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, Int4Linear(child.weight))
+                    setattr(parent, name, Int4Linear.from_weight(child.weight))
 
 
 PROMPTS = [[(7 * i + 13 * j + 3) % 250 + 3 for j in range(n)] for i, n in enumerate([1, 9, 30])]
@@ -131,9 +131,10 @@ def test_prefix_hits_and_preemption_keep_the_tokens(tiny_llama, monkeypatch, sma
 def test_q4_1_gguf_loads_with_int4_layers(tmp_path):
     hf_dir = save_tiny_model(tmp_path / "hf", "llama", hidden_size=64, intermediate_size=128)
     path = write_llama_gguf(hf_dir, str(tmp_path / "m.gguf"), "Q4_1")
-    full = LLM(path, skip_tokenizer_init=True, dtype="float32")
+    with pytest.MonkeyPatch.context() as mp:  # the weights as loaded, not packed
+        mp.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+        full = LLM(path, skip_tokenizer_init=True, dtype="float32")
     q4 = LLM(path, skip_tokenizer_init=True, dtype="float32", quantization="int4")
-    full.llm_engine.model.use_kernels(None)  # the weights as loaded, not packed for the kernels
     w = full.llm_engine.model.layers[0].mlp.down_proj.weight
     layer = q4.llm_engine.model.layers[0].mlp.down_proj
     assert isinstance(layer, Int4Linear)

@@ -50,11 +50,12 @@ def canonical_dtype(name: str, allowed: tuple[str, ...], what: str = "dtype") ->
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2).
 
     ``head_dim`` is explicit because some models set it apart from hidden_size / num_heads.
     ``rope_scaling`` is None or a dict with ``rope_type`` in {"linear", "llama3", "freq_factors"}
-    and its factors. ``sliding_window``: attention is full, so max_model_len is capped at it.
+    and its factors. ``sliding_window``: the layers it applies to (all of them, or those
+    ``layer_types`` names "sliding_attention") attend only the last that many positions.
     """
 
     architecture: str
@@ -70,8 +71,12 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen 3: RMSNorm over each head's q and k before rotary
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # "sliding_attention" | "full_attention" each
+    rope_local_theta: float | None = None  # Gemma 3: the sliding-window layers' rope base
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2, not head_dim's
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -81,11 +86,21 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends every position)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class LLMEngine:
         check_tensor_parallel(cfg, args.tensor_parallel_size)  # before the tokenizer's seconds
         self.tokenizer = None if args.skip_tokenizer_init else (
             load_tokenizer(args.tokenizer) if args.tokenizer is not None else source.tokenizer())
-        model_limit = min(cfg.max_position_embeddings, cfg.sliding_window or 2**62)
+        model_limit = cfg.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > model_limit:
             raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's limit of "
                              f"{model_limit} positions")

@@ -6,7 +6,7 @@ Each is read when asked for (not at import), so a test or a launcher can set it 
 |---|---|---|
 | ``PAGEDSERVE_CACHE`` | the user cache dir | where the default model is cached |
 | ``PAGEDSERVE_API_KEY`` | unset | the server's API key when ``--api-key`` is not given |
-| ``PAGEDSERVE_CPU_KERNELS`` | ``1`` | ``0`` runs the torch path instead of the fused CPU kernels |
+| ``PAGEDSERVE_CPU_KERNELS`` | ``1`` | ``0``: the torch path instead of the fused CPU kernels; ``unpacked``: the kernels with torch's matmuls (read when a model is built) |
 | ``PAGEDSERVE_DEBUG_KV`` | ``0`` | ``1`` checks the block pool invariants after every step |
 | ``PAGEDSERVE_LOGGING_LEVEL`` | ``INFO`` | the ``pagedserve`` logger's level |
 | ``PAGEDSERVE_TP_EXTERNAL`` | ``0`` | ``1``: tensor-parallel ranks are started by hand |

@@ -63,7 +63,9 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
     if not messages:
         raise ValueError("messages must not be empty")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model's tokenizer has no chat template; use generate() instead")
+        raise ValueError("this model has no chat template (a base model, such as gemma3-270m, "
+                         "is not tuned for chat): send a plain prompt instead (LLM.generate, "
+                         "/v1/completions, pagedserve generate)")
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs

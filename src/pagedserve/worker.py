@@ -26,9 +26,8 @@ from pagedserve.kv.cache import (
 )
 from pagedserve.kv.quant import KVCacheSpec, resolve_kv_cache_dtype
 from pagedserve.loader import open_model
-from pagedserve.model.layers import RotaryEmbedding
+from pagedserve.model.layers import LinearOptions
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.quant import quantize_linear_layers
 from pagedserve.model.registry import model_class
 from pagedserve.runner import ModelRunner
 
@@ -48,26 +47,30 @@ class ShardOptions:
     max_model_len: int
 
 
+def linear_options(dtype: torch.dtype, device: torch.device,
+                   quantization: str | None) -> LinearOptions:
+    """How the model's linear layers are built: the fused CPU kernels serve a float32 model
+    on the CPU (``PAGEDSERVE_CPU_KERNELS``: see pagedserve.kernels), torch everything else."""
+    ops = kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
+    return LinearOptions(ops, kernels.pack_weights(), quantization)
+
+
 def load_model(source, dtype: torch.dtype, device: torch.device, quantization: str | None,
                tp: TPGroup) -> tuple[LlamaForCausalLM, int]:
-    """This rank's shard of the model with its weights (quantized if asked); returns it and
-    the bytes its weights take."""
+    """This rank's shard of the model, built as linear_options says and loaded; returns it
+    and the bytes its weights take."""
+    linear = linear_options(dtype, device, quantization)
     with torch.device("meta"):
-        net = model_class(source.config.architecture)(source.config, tp)
+        net = model_class(source.config.architecture)(source.config, tp, linear)
     net = net.to_empty(device=device).to(dtype)
     net.load_weights(source.weights(), str(source.path))
-    weight_bytes = 0
-    if quantization is not None:
-        weight_bytes = quantize_linear_layers(net, quantization)
-    weight_bytes += sum(p.numel() * p.element_size() for p in net.parameters())
-    net.use_kernels(kernels.load() if device.type == "cpu" else None)
-    return net.eval(), weight_bytes
+    return net.eval(), net.weight_bytes()
 
 
 def finish_shard(net: LlamaForCausalLM, shard: ShardOptions, tp: TPGroup) -> KVCache:
     """Give ``net`` its rotary table and allocate this rank's KV cache (its KV heads)."""
     device = next(net.parameters()).device
-    net.rotary = RotaryEmbedding(net.config, shard.max_model_len).to(device)
+    net.init_rotary(shard.max_model_len)
     spec = resolve_kv_cache_dtype(shard.kv_cache_dtype, next(net.parameters()).dtype)
     return KVCache.allocate(local_config(net.config, tp), shard.num_kv_blocks, shard.block_size,
                             spec, device, shard.num_swap_blocks)

@@ -11,7 +11,7 @@ num_heads // num_kv_heads`` query rows share one K/V head) so K/V are never repe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,8 @@ class AttentionGroup:
     broadcast over the G rows); ``query_index``
     [num_seqs, max_query_len] int64 into the group's tokens and ``output_index``
     [num_tokens] int64 into the padded ``num_seqs * max_query_len`` rows, both None when every
-    query is one token long.
+    query is one token long. ``query_pos`` [num_seqs, max_query_len] int64: each query's
+    position (padded rows 0), from which ``window_mask`` derives sliding-window masks.
     """
 
     num_seqs: int
@@ -38,6 +39,29 @@ class AttentionGroup:
     mask: torch.Tensor
     query_index: torch.Tensor | None
     output_index: torch.Tensor | None
+    query_pos: torch.Tensor
+    num_queries_per_kv: int
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer that attends only the last ``window`` positions (None: all,
+        ``mask``): the query at position i sees key j when i - window < j <= i, the rule of
+        Mistral's and Gemma's sliding-window layers (Beltagy et al. 2020, Longformer).
+        Built once per group and window."""
+        if window is None:
+            return self.mask
+        mask = self._window_masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            inside = key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            if self.query_index is None:  # decodes: [num_seqs, 1, 1, keys]
+                mask = self.mask & inside[:, None]
+            else:  # [num_seqs, max_query_len, keys] -> the G query rows of each KV head
+                g = self.num_queries_per_kv
+                inside = inside[:, None].expand(-1, g, -1, -1).reshape(self.mask.shape)
+                mask = self.mask & inside
+            self._window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -81,7 +105,7 @@ def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[l
     if max_query_len == 1:
         mask = (key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
         return AttentionGroup(num_seqs, num_seqs, max_blocks, 1, block_ids, seq_lens_t, mask,
-                              None, None)
+                              None, None, (seq_lens_t - 1)[:, None], num_queries_per_kv)
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64, device=device)
     j = torch.arange(max_query_len, device=device)
     valid = j[None, :] < query_lens_t[:, None]  # [num_seqs, max_query_len]
@@ -94,4 +118,5 @@ def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[l
     query_index = torch.where(valid, starts[:, None] + j[None, :], 0)
     output_index = (torch.arange(num_seqs, device=device)[:, None] * max_query_len + j)[valid]
     return AttentionGroup(num_seqs, sum(query_lens), max_blocks, max_query_len, block_ids,
-                          seq_lens_t, mask, query_index, output_index)
+                          seq_lens_t, mask, query_index, output_index, q_pos,
+                          num_queries_per_kv)

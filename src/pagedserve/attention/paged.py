@@ -50,7 +50,7 @@ def _gather(data: torch.Tensor, scales: torch.Tensor | None, cache: LayerKVCache
 
 
 def _attend_group(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
-                  md: AttentionMetadata, scale: float) -> torch.Tensor:
+                  md: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] of one group -> output of the same shape."""
     _, block_size, num_kv_heads, head_dim = cache.k.shape
     num_heads = q.shape[1]
@@ -61,52 +61,56 @@ def _attend_group(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
     v = _gather(cache.v, cache.v_scale, cache, g.block_ids, md.v_workspace[:rows], md)
     k = k.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    mask = g.window_mask(window)
     if g.query_index is None:  # decodes: one query per request, G rows per KV head
         out = F.scaled_dot_product_attention(
-            q.view(b, num_kv_heads, n_q, head_dim), k, v, attn_mask=g.mask, scale=scale)
+            q.view(b, num_kv_heads, n_q, head_dim), k, v, attn_mask=mask, scale=scale)
         return out.reshape(b, num_heads, head_dim)
     qp = q[g.query_index].view(b, qlen, num_kv_heads, n_q, head_dim)
     qp = qp.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, n_q * qlen, head_dim)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=g.mask, scale=scale)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
     out = out.view(b, num_kv_heads, n_q, qlen, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(b * qlen, num_heads, head_dim)[g.output_index]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+                    md: AttentionMetadata, scale: float, window: int | None = None
+                    ) -> torch.Tensor:
     """Attention of one layer over the paged cache.
 
     Args:
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], the
             new tokens' keys and values (written to the cache first), all in the model's dtype.
         cache: the layer's K/V (and scales) [num_blocks, block_size, num_kv_heads, head_dim].
+        window: a sliding-window layer's window (AttentionGroup.window_mask), or None.
     Returns:
         [num_tokens, num_heads, head_dim], in the token order of ``q``.
     """
     write_kv(k, v, cache, md.slot_mapping)
     if len(md.groups) == 1:
-        return _attend_group(q, cache, md.groups[0], md, scale)
+        return _attend_group(q, cache, md.groups[0], md, scale, window)
     outs, start = [], 0
     for g in md.groups:
-        outs.append(_attend_group(q[start:start + g.num_tokens], cache, g, md, scale))
+        outs.append(_attend_group(q[start:start + g.num_tokens], cache, g, md, scale, window))
         start += g.num_tokens
     return torch.cat(outs)
 
 
 def paged_attention_fused(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
-                          scale: float, ops, out_dtype: torch.dtype) -> torch.Tensor:
+                          scale: float, ops, out_dtype: torch.dtype, window: int | None = None
+                          ) -> torch.Tensor:
     """Attention over a cache the new K/V are already in (``ops.rotary_write_kv`` wrote them):
-    decode groups run ``ops.paged_decode_attention``, which reads the blocks in place; prefill
-    groups the torch path above. q [num_tokens, num_heads, head_dim] float32 -> the same shape
-    of ``out_dtype``."""
+    decode groups of full-attention layers run ``ops.paged_decode_attention``, which reads the
+    blocks in place; prefill groups and sliding-window layers the torch path above.
+    q [num_tokens, num_heads, head_dim] float32 -> the same shape of ``out_dtype``."""
     outs, start = [], 0
     for g in md.groups:
         gq = q[start:start + g.num_tokens]
         start += g.num_tokens
-        if g.query_index is None:
+        if g.query_index is None and window is None:
             outs.append(ops.paged_decode_attention(
                 gq, cache.k, cache.v, g.block_ids.view(g.num_seqs, g.max_blocks), g.seq_lens,
                 scale, out_dtype))
         else:
-            outs.append(_attend_group(gq, cache, g, md, scale).to(out_dtype))
+            outs.append(_attend_group(gq, cache, g, md, scale, window).to(out_dtype))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,6 +1,8 @@
 """Fused CPU kernels (C++ in this folder, one file per op family: norm.cpp, attention.cpp,
-sampling.cpp, linear.cpp; common.h holds the shared helpers, ops.cpp the registration),
-compiled on first use with torch.utils.cpp_extension.
+sampling.cpp, linear.cpp, each op a raw-pointer implementation plus a thin torch binding;
+vec.h holds the one SIMD type, F32x16 (AVX-512, else the target's own vectors), common.h the
+shared helpers, ops.h the declarations, ops.cpp the registration), compiled on first use with
+torch.utils.cpp_extension.
 
 A float32 decode step on the CPU is dominated by the fixed cost of dispatching ~40 small torch
 ops per layer, not by arithmetic. The kernels replace those chains: ``add_rms_norm`` (residual
@@ -43,10 +45,10 @@ from pagedserve import envs
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-# One file per op family, the shared helpers and the registration (ops.cpp).
+# One file per op family and the registration (ops.cpp); the headers they include.
 SOURCES = [HERE / name for name in ("norm.cpp", "attention.cpp", "sampling.cpp", "linear.cpp",
                                     "ops.cpp")]
-HEADERS = [HERE / "ops.h", HERE / "common.h"]
+HEADERS = [HERE / "ops.h", HERE / "common.h", HERE / "vec.h"]
 ENV = "PAGEDSERVE_CPU_KERNELS"
 # torch's build lock is a bare file: a build killed by SIGTERM/SIGKILL leaves it behind and
 # every later build waits on it forever. One older than this is taken as stale and removed.
@@ -119,15 +121,42 @@ def build(name: str, namespace: str = "pagedserve", extra_flags: tuple[str, ...]
 
 
 @functools.cache
-def load():
-    """``torch.ops.pagedserve`` with the CPU kernels registered, or None when they are disabled
-    (``PAGEDSERVE_CPU_KERNELS=0``) or cannot be built (the reason is logged)."""
+def _log_once(level: int, message: str, *args) -> None:
+    logger.log(level, message, *args)
+
+
+def _switch() -> str:
+    """``PAGEDSERVE_CPU_KERNELS`` read now: "off" (0), "unpacked" (the kernels with torch's
+    matmuls, for comparisons) or "on" (1, the default; another value is warned about)."""
     value = envs.cpu_kernels().strip().lower()
     if value in ("0", "false", "no", "off"):
-        logger.info("CPU kernels disabled by %s; running the torch path", ENV)
-        return None
+        return "off"
+    if value == "unpacked":
+        return value
     if value not in ("1", "true", "yes", "on"):
-        logger.warning("ignoring %s=%r (use 0 or 1); the CPU kernels stay on", ENV, value)
+        _log_once(logging.WARNING, "ignoring %s=%r (use 0, 1 or unpacked); the CPU kernels "
+                  "stay on", ENV, value)
+    return "on"
+
+
+def load():
+    """``torch.ops.pagedserve`` with the CPU kernels registered, or None when they are disabled
+    (``PAGEDSERVE_CPU_KERNELS=0``, read at each call) or cannot be built (the reason is logged
+    once)."""
+    if _switch() == "off":
+        _log_once(logging.INFO, "CPU kernels disabled by %s; running the torch path", ENV)
+        return None
+    return _compiled()
+
+
+def pack_weights() -> bool:
+    """Whether float32 linear layers keep their weights packed for ``packed_linear`` (False
+    under ``PAGEDSERVE_CPU_KERNELS=unpacked``: torch's matmuls beside the other kernels)."""
+    return _switch() != "unpacked"
+
+
+@functools.cache
+def _compiled():
     start = time.perf_counter()
     try:
         ops = build(_build_name())

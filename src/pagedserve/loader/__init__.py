@@ -1,4 +1,4 @@
-"""Model loading: a GGUF file, an HF directory, or the default SmolLM2-135M-Instruct.
+"""Model loading: a GGUF file, an HF directory, or a model fetched by name (loader/fetched.py).
 
 Every loader yields a ModelConfig and (name, tensor) pairs under transformers' tensor names, so
 the model has one weight-loading path. Errors name the file and what is wrong with it.
@@ -31,16 +31,23 @@ class ModelSource:
 
 
 def open_model(model: str | Path | None) -> ModelSource:
-    """Resolve ``model`` (None = the default model) to a ModelSource.
+    """Resolve ``model`` to a ModelSource: None (the default model), a name of
+    ``loader.fetched.MODELS`` ("gemma3-270m": fetched and cached on first use), a GGUF file or
+    an HF directory.
 
     Raises:
         FileNotFoundError: the path does not exist.
         ModelLoadError: the file or directory is not a supported model.
     """
     from pagedserve.loader import gguf, hf
-    from pagedserve.loader.default_model import default_model_path
+    from pagedserve.loader.fetched import MODELS, default_model_path, fetched_model_path
 
-    path = default_model_path() if model is None else Path(model).expanduser()
+    if model is None:
+        path = default_model_path()
+    elif isinstance(model, str) and model in MODELS and not Path(model).exists():
+        path = fetched_model_path(model)
+    else:
+        path = Path(model).expanduser()
     if not path.exists():
         hint = ""
         if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/")):

@@ -1,10 +1,13 @@
-"""GGUF files of the llama architecture: metadata -> ModelConfig, tensors -> dequantized weights.
+"""GGUF files: metadata -> ModelConfig, tensors -> dequantized weights under transformers' names.
 
-Tensors are dequantized to float32 with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q4_K, Q6_K and every other type it knows). llama.cpp's converter permutes the rows of
-attn_q/attn_k for its interleaved rotary layout; they are permuted back to transformers'
-rotate-half layout here. The tokenizer comes from the GGUF vocabulary through transformers and
-is cached as tokenizer.json (building it takes seconds).
+Architectures: ``llama`` (Llama, SmolLM2, and Mistral, which llama.cpp converts to it),
+``qwen2`` (q/k/v bias), ``qwen3`` (q/k norms), ``gemma3`` (hybrid sliding-window attention;
+the facts GGUF leaves out, its layer pattern and local rope base, are Gemma 3's fixed ones). Tensors are dequantized to float32 with the
+``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and every other type it
+knows). llama.cpp's converter permutes the rows of attn_q/attn_k of llama for its
+interleaved rotary layout; they are permuted back to transformers' rotate-half layout here.
+The tokenizer comes from the GGUF vocabulary through transformers and is cached as
+tokenizer.json (building it takes seconds).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from pagedserve.loader import ModelLoadError, ModelSource
 
 logger = logging.getLogger(__name__)
 
+# GGUF architecture -> (transformers architecture, q/k rows permuted by llama.cpp)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
+}
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -35,11 +45,19 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms apart; llama.cpp stores Gemma's norm weights as 1 + w
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA3_GLOBAL_EVERY = 6  # every 6th layer attends globally (llama.cpp and transformers fix it)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _BLK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -62,26 +80,27 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def read_gguf_config(reader, path: Path) -> ModelConfig:
     """ModelConfig from GGUF metadata. Raises ModelLoadError for another architecture."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
 
     def get(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"llama.{key}", default)
+        value = _field(reader, f"{arch}.{key}", default)
         if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
-    vocab = _field(reader, "llama.vocab_size")
+    vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else None
     if vocab is None:
         raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
     rope_scaling = None
-    scaling_type = _field(reader, "llama.rope.scaling.type")
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
@@ -92,21 +111,35 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
                         "factors": [float(x) for x in np.asarray(t.data, dtype=np.float32)]}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=ARCHITECTURES[arch][0],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=rope_scaling,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        **(_gemma3_fields(reader, get) if arch == "gemma3" else {}),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _gemma3_fields(reader, get) -> dict[str, Any]:
+    layers = int(get("block_count"))
+    return dict(
+        sliding_window=int(get("attention.sliding_window")),
+        layer_types=tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0
+                          else "sliding_attention" for i in range(layers)),
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+        query_pre_attn_scalar=float(get("attention.key_length")),
     )
 
 
@@ -122,16 +155,19 @@ def iter_gguf_weights(reader, config: ModelConfig, path: Path
     tensor that cannot be dequantized."""
     from gguf.quants import dequantize
 
+    arch = _field(reader, "general.architecture")
+    permuted = ARCHITECTURES[arch][1]
+    layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         m = _BLK_RE.fullmatch(t.name)
-        kind = None
+        kind = suffix = None
         if m:
             i, kind, suffix = m.groups()
-            if kind not in _LAYER_NAMES:
+            if kind not in layer_names:
                 raise ModelLoadError(f"{path}: unexpected tensor {t.name!r}")
-            name = f"model.layers.{i}.{_LAYER_NAMES[kind]}.{suffix}"
+            name = f"model.layers.{i}.{layer_names[kind]}.{suffix}"
         elif t.name in _NAMES:
             name = _NAMES[t.name]
         else:
@@ -141,11 +177,13 @@ def iter_gguf_weights(reader, config: ModelConfig, path: Path
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize {t.name} "
                                  f"({t.tensor_type.name}): {e}") from e
-        if kind == "attn_q":
+        if permuted and kind == "attn_q" and suffix == "weight":
             w = _unpermute(w, config.num_attention_heads)
-        elif kind == "attn_k":
+        elif permuted and kind == "attn_k" and suffix == "weight":
             w = _unpermute(w, config.num_key_value_heads)
         w = np.asarray(w, dtype=np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1  # transformers' convention: the model adds the 1 back
         if not (w.flags.writeable and w.flags.c_contiguous):  # memory-mapped F32 tensors
             w = w.copy()
         yield name, torch.from_numpy(w)
@@ -174,7 +212,7 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
 
 
 def open_gguf(path: Path) -> ModelSource:
-    from pagedserve.loader.default_model import cache_dir
+    from pagedserve.loader.fetched import cache_dir
 
     reader = _reader(path)
     config = read_gguf_config(reader, path)

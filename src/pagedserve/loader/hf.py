@@ -1,5 +1,6 @@
 """HF directories: config.json + *.safetensors + tokenizer files, for LlamaForCausalLM,
-MistralForCausalLM and Qwen2ForCausalLM (q/k/v bias)."""
+MistralForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k norms) and
+Gemma3ForCausalLM (text only; sliding-window and global layers)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def read_hf_config(path: Path) -> ModelConfig:
     if cfg.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and cfg.get("attention_bias")):
         raise ModelLoadError(f"{cfg_path}: attention_bias / mlp_bias models are not supported")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    local_theta = cfg.get("rope_local_base_freq")  # Gemma 3, transformers 4.x
+    if "full_attention" in rope:  # per layer type (Gemma 3, transformers 5.x)
+        local_theta = rope.get("sliding_attention", {}).get("rope_theta", local_theta)
+        rope = dict(rope["full_attention"])
     rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "linear", "llama3"):
@@ -39,9 +44,17 @@ def read_hf_config(path: Path) -> ModelConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     sliding = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
         sliding = None
     heads = cfg["num_attention_heads"]
+    gemma = arch == "Gemma3ForCausalLM"
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise ModelLoadError(f"{cfg_path}: logit soft-capping is not supported")
+    layer_types = cfg.get("layer_types")
+    if gemma and layer_types is None:  # transformers 4.x: every n-th layer is global
+        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                       for i in range(cfg["num_hidden_layers"])]
     try:
         return ModelConfig(
             architecture=arch,
@@ -55,8 +68,12 @@ def read_hf_config(path: Path) -> ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=arch == "Qwen2ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            layer_types=tuple(layer_types) if layer_types else None,
+            rope_local_theta=float(local_theta) if gemma else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
             rope_scaling=rope if kind != "default" else None,
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),

@@ -6,7 +6,8 @@ Each module has one forward, in vLLM's residual form (a norm adds the previous b
 into the residual stream before normalizing it), and chooses inside itself between torch ops
 (the reference, every device and dtype) and the fused CPU kernels of pagedserve.kernels, as the
 model's shared ``KernelState`` says: the kernels for a float32 model with an unquantized KV
-cache on the CPU.
+cache on the CPU. ``LinearOptions`` chooses every projection's kind (model/linear.py: torch,
+packed for the kernels, int4) and the LM head's forms when the model is built.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pagedserve.attention.paged import paged_attention, paged_attention_fused
 from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import SINGLE, TPGroup
 from pagedserve.kv.cache import LayerKVCache
+from pagedserve.model import quant
+from pagedserve.model.linear import PANEL, Linear, PackedLinear, pack_linear_weight
+from pagedserve.model.quant import Int4Linear, check_quantization, quantize_q8_0
 
 
 @dataclass
@@ -118,106 +122,145 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-PANEL = 48  # output columns per panel of a packed weight (PANEL in kernels/linear.cpp)
+@dataclass(frozen=True)
+class LinearOptions:
+    """How a model's linear layers hold and multiply their weights, fixed when it is built.
+
+    ``ops``: the CPU kernels (pagedserve.kernels) for a float32 model on the CPU, else None
+    (torch). ``pack``: with ``ops``, keep float32 weights only packed for ``packed_linear``
+    (False: torch's matmuls beside the other kernels, for comparisons). ``quantization``:
+    None or "int4" (Int4Linear projections; raises ValueError for another name).
+    """
+
+    ops: Any = None
+    pack: bool = True
+    quantization: str | None = None
+
+    def __post_init__(self):
+        if self.quantization is not None:
+            check_quantization(self.quantization)
+
+    def linear(self, in_features: int, out_features: int, bias: bool = False,
+               gated: bool = False) -> Linear:
+        """A projection of the chosen kind; ``gated`` marks a SwiGLU gate|up projection
+        (its SwiGLU then runs in the packed kernel's epilogue)."""
+        if self.quantization is not None:
+            return Int4Linear(in_features, out_features, bias)
+        if self.ops is not None and self.pack:
+            return PackedLinear(in_features, out_features, bias, self.ops, gated)
+        return Linear(in_features, out_features, bias)
+
+    def kernel_state(self) -> KernelState:
+        """The state a model's layers share: projections take bfloat16 under int4."""
+        return KernelState(self.ops, torch.bfloat16 if self.quantization else torch.float32)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / PANEL), K, PANEL], same dtype: the weight as the column panels
-    that the ``packed_linear`` kernel streams (the last panel zero-padded)."""
-    n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = weight.new_zeros(panels * PANEL, k)
-    padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+class LMHead(nn.Module):
+    """The LM head over this rank's vocabulary rows: hidden [N, H] -> logits [N, rows]
+    float32. Its forms are fixed at construction from LinearOptions:
 
+    - torch's F.linear over the float weight;
+    - with the kernels and ``pack``: ``ops.packed_linear`` over the packed weight, the float
+      copy dropped (a tied embedding then looks its rows up in the packed one: ``rows``);
+    - with the kernels and int4 layers, also an int8 copy (GGUF's Q8_0 layout,
+      quant.quantize_q8_0) for up to quant.SMALL_ROWS rows: a decode step of a few sequences
+      reads a quarter of the bytes.
 
-def unpack_linear_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of pack_linear_weight: [P, K, PANEL] -> [n, K] (contiguous)."""
-    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].contiguous()
+    ``weight`` [rows, H] is its own (loaded as ``lm_head.weight``) or, when ``tied``, None:
+    the embedding's is given to ``finish_loading``.
+    """
 
-
-def pack_gated_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A SwiGLU gate|up weight [2I, K] (gate rows first) -> [ceil(I / H), K, PANEL] with
-    H = PANEL // 2: each panel holds H gate columns then the H matching up columns (zero-padded
-    at the end), the layout of ``packed_linear(..., gated=True)``."""
-    inter, k = weight.shape[0] // 2, weight.shape[1]
-    half = PANEL // 2
-    panels = -(-inter // half)
-    padded = weight.new_zeros(2, panels * half, k)
-    padded[0, :inter], padded[1, :inter] = weight[:inter], weight[inter:]
-    return padded.view(2, panels, half, k).permute(1, 3, 0, 2).reshape(panels, k, PANEL).contiguous()
-
-
-def unpack_gated_weight(packed: torch.Tensor, inter: int) -> torch.Tensor:
-    """The inverse of pack_gated_weight: -> [2 * inter, K] (contiguous)."""
-    panels, k = packed.shape[:2]
-    halves = packed.view(panels, k, 2, PANEL // 2).permute(2, 0, 3, 1).reshape(2, -1, k)
-    return halves[:, :inter].reshape(2 * inter, k).contiguous()
-
-
-class PackedLinear(nn.Module):
-    """nn.Linear for the CPU kernels: the weight is kept only in the packed layout of
-    pack_linear_weight, multiplied by ``ops.packed_linear`` (register-blocked, no per-call
-    re-pack of the weight as a BLAS call does). x [..., in_features] float32 ->
-    [..., out_features] float32. ``to_linear`` gives the plain module back.
-
-    gated=True (a SwiGLU gate|up projection without bias, ``out_features`` = 2I): the weight
-    is packed by pack_gated_weight and forward returns silu(gate) * up, [..., I], from the
-    matmul's epilogue."""
-
-    def __init__(self, linear: nn.Linear, ops, gated: bool = False):
+    def __init__(self, rows: int, hidden: int, tied: bool, options: LinearOptions):
         super().__init__()
-        if gated and (linear.bias is not None or linear.out_features % 2):
-            raise ValueError("a gated PackedLinear needs a gate|up projection without bias")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.gated = gated
-        pack = pack_gated_weight if gated else pack_linear_weight
-        self.weight = nn.Parameter(pack(linear.weight.detach()), requires_grad=False)
-        self.bias = linear.bias
-        self.ops = ops
+        self.num_rows = rows
+        self.weight = None if tied else nn.Parameter(torch.empty(rows, hidden),
+                                                     requires_grad=False)
+        self.ops = options.ops
+        self.pack = options.ops is not None and options.pack
+        self.with_q8 = options.ops is not None and options.quantization is not None
+        self.packed: torch.Tensor | None = None  # [rows / PANEL, H, PANEL]
+        self.q8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 [rows, H], scales
+        self.float_weight: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # forward(reuse=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.out_features // 2 if self.gated else self.out_features
-        y = self.ops.packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias, n,
-                                   None, self.gated)
-        return y.view(*x.shape[:-1], n)
+    def finish_loading(self, embedding: nn.Embedding) -> None:
+        """Build the forms from the loaded weight (``embedding``'s when tied)."""
+        owner = embedding if self.weight is None else self
+        weight = owner.weight.detach()
+        if self.with_q8:
+            self.q8 = quantize_q8_0(weight)
+        if self.pack:
+            self.packed = pack_linear_weight(weight)
+            # the packed copy serves the head and, when tied, the lookup: drop the float one
+            owner.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
+        else:
+            self.float_weight = weight
 
-    def to_linear(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device="meta")
-        weight = (unpack_gated_weight(self.weight, self.out_features // 2) if self.gated
-                  else unpack_linear_weight(self.weight, self.out_features))
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        linear.bias = self.bias
-        return linear
+    def forward(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        """``reuse``: the packed head may write into a buffer it keeps (a fresh [256, 49152]
+        tensor costs page faults every step); the result is then valid only until the next
+        call with ``reuse``."""
+        if self.q8 is not None and hidden.shape[0] <= quant.SMALL_ROWS:
+            return self.ops.int8_linear(hidden.float(), *self.q8)
+        if self.packed is None:
+            return F.linear(hidden, self.float_weight).float()
+        buffer = None
+        if reuse:
+            size = hidden.shape[0] * self.num_rows
+            if self._buffer is None or self._buffer.numel() < size:
+                self._buffer = hidden.new_empty(size, dtype=torch.float32)
+            buffer = self._buffer
+        return self.ops.packed_linear(hidden.float(), self.packed, None, self.num_rows, buffer)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [T, H] of the packed weight for ids [T] (the tied embedding's lookup), with
+        nn.Embedding's bounds check (the padded panel would read zeros, -1 would wrap).
+        Raises IndexError for an id outside [0, rows)."""
+        low, high = torch.aminmax(ids) if ids.numel() else (0, 0)
+        if not 0 <= int(low) <= int(high) < self.num_rows:
+            raise IndexError(f"token id out of range [0, {self.num_rows})")
+        return self.packed[ids // PANEL, :, ids % PANEL]
+
+    def nbytes(self) -> int:
+        """Bytes of the forms built from the weight (the parameters are counted apart)."""
+        tensors = [self.packed, *(self.q8 or ())]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): down(silu(gate(x)) * up(x)), gate|up fused. Under tensor
-    parallelism ``intermediate_size`` is this rank's columns and the output is all-reduced."""
+    """Gated MLP (Shazeer 2020): down(act(gate(x)) * up(x)), gate|up fused; ``activation``
+    "silu" (SwiGLU, Llama) or "gelu_tanh" (GeGLU, Gemma). Under tensor parallelism
+    ``intermediate_size`` is this rank's columns and the output is all-reduced."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE,
-                 kernels: KernelState | None = None):
+                 kernels: KernelState | None = None, linear: LinearOptions | None = None,
+                 activation: str = "silu"):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {activation!r}")
+        linear = linear or LinearOptions()
+        self.activation = activation
+        # the packed kernel's gated epilogue is SwiGLU
+        self.gate_up_proj = linear.linear(hidden_size, 2 * intermediate_size,
+                                          gated=activation == "silu")
+        self.down_proj = linear.linear(intermediate_size, hidden_size)
         self.tp = tp
         self.kernels = kernels or KernelState()
-
-    def _gated(self) -> bool:
-        return getattr(self.gate_up_proj, "gated", False)  # SwiGLU in the matmul's epilogue
+        # SwiGLU in the packed matmul's epilogue
+        self.gated = getattr(self.gate_up_proj, "gated", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. With the kernels x and the result are of act_dtype
         (the result float32 under tensor parallelism, for the all-reduce)."""
         k = self.kernels
-        if self._gated():
+        if self.gated:
             h = self.gate_up_proj(x)
-        elif k.fused:
+        elif k.fused and self.activation == "silu":
             h = k.ops.silu_and_mul(self.gate_up_proj(x), k.act_dtype)
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+            h = act * up
         out = self.down_proj(h)
         if k.fused and self.tp.world_size > 1:
             out = out.float()
@@ -226,23 +269,40 @@ class GatedMLP(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head attention with GQA/MQA over the paged KV cache; q|k|v fused (with bias for
-    Qwen2). Under tensor parallelism ``config`` is this rank's shard (its heads and KV heads)
+    Qwen2; per-head q/k RMSNorm before rotary for Qwen3). Under tensor parallelism ``config`` is this rank's shard (its heads and KV heads)
     and the output is all-reduced."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE,
-                 kernels: KernelState | None = None):
+                 kernels: KernelState | None = None, linear: LinearOptions | None = None,
+                 window: int | None = None):
         super().__init__()
         self.tp = tp
         self.kernels = kernels or KernelState()
+        self.window = window  # a sliding-window layer's window (config.layer_window)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        linear = linear or LinearOptions()
+        self.qkv_proj = linear.linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                      bias=config.qkv_bias)
+        self.o_proj = linear.linear(self.q_size, config.hidden_size)
+        # Qwen 3's per-head norms of q and k (torch: they see [T, heads, head_dim] slices)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) D] with q and k normalized per head (Qwen 3), else as is."""
+        if self.q_norm is None:
+            return qkv
+        t, q_end, k_end = qkv.shape[0], self.q_size, self.q_size + self.kv_size
+        q = self.q_norm(qkv[:, :q_end].reshape(t, -1, self.head_dim))
+        k = self.k_norm(qkv[:, q_end:k_end].reshape(t, -1, self.head_dim))
+        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, k_end:]], 1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
@@ -252,20 +312,20 @@ class Attention(nn.Module):
         if self.kernels.fused:
             return self._forward_fused(x, rope, kv_cache, md)
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self._norm_qk(self.qkv_proj(x))
         # q and k are adjacent in the fused output: rotate them in one go
         qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, md, self.scale)
+        out = paged_attention(q, k, v, kv_cache, md, self.scale, self.window)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
     def _forward_fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
         ops, act_dtype = self.kernels.ops, self.kernels.act_dtype
-        qkv = self.qkv_proj(x)
+        qkv = self._norm_qk(self.qkv_proj(x))
         q = ops.rotary_write_kv(qkv, rope[0], rope[1], kv_cache.k, kv_cache.v, md.slot_mapping,
                                 self.num_heads, self.num_kv_heads, torch.float32)
-        out = paged_attention_fused(q, kv_cache, md, self.scale, ops, act_dtype)
+        out = paged_attention_fused(q, kv_cache, md, self.scale, ops, act_dtype, self.window)
         out = self.o_proj(out.view(x.shape[0], self.q_size))
         return self.tp.all_reduce(out.float()) if self.tp.world_size > 1 else out

@@ -14,6 +14,8 @@ MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("pagedserve.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagedserve.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("pagedserve.model.llama", "LlamaForCausalLM"),
+    "Gemma3ForCausalLM": ("pagedserve.model.gemma3", "Gemma3ForCausalLM"),
 }
 ARCHITECTURES = tuple(MODELS)
 

@@ -1,0 +1,192 @@
+// F32x16, the one SIMD type of the CPU kernels: 16 floats, an __m512 under AVX-512 and
+// otherwise the target's own vectors (two of 8 floats with AVX, four of 4 with SSE or NEON)
+// through the GCC/Clang vector extension. The kernels are written once against it; the
+// instruction-set branches live only in this file.
+//
+// Not a plain float[16] for the portable build: GCC copies such a struct through the stack
+// at every returned value, and lowers a 64-byte vector extension type without AVX-512 to
+// stack traffic as well; vectors of the target's width stay in registers.
+//
+// Every function is force-inlined: a kernel's accumulators (arrays of F32x16) must stay in
+// registers, which needs the compiler to see through each call.
+#pragma once
+
+#include "ops.h"  // OPS_NAMESPACE: each build's copy of this type is its own symbol
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+
+#define VEC_INLINE inline __attribute__((always_inline))
+
+namespace OPS_NAMESPACE {
+
+#if defined(__AVX512F__)
+
+struct F32x16 {
+  __m512 v;
+
+  static VEC_INLINE F32x16 zero() { return {_mm512_setzero_ps()}; }
+  static VEC_INLINE F32x16 set1(float x) { return {_mm512_set1_ps(x)}; }
+  static VEC_INLINE F32x16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  // p[0 .. n) and zeros after it (n may be <= 0 or >= 16); never reads past p + n
+  static VEC_INLINE F32x16 load(const float* p, int64_t n) {
+    if (n >= 16) return load(p);
+    return {_mm512_maskz_loadu_ps(mask(n), p)};
+  }
+  // 16 int8 as float
+  static VEC_INLINE F32x16 load(const int8_t* p) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))};
+  }
+  VEC_INLINE void store(float* p) const { _mm512_storeu_ps(p, v); }
+  // the first n lanes only (none for n <= 0)
+  VEC_INLINE void store(float* p, int64_t n) const {
+    if (n >= 16)
+      store(p);
+    else
+      _mm512_mask_storeu_ps(p, mask(n), v);
+  }
+
+  friend VEC_INLINE F32x16 operator+(F32x16 a, F32x16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend VEC_INLINE F32x16 operator*(F32x16 a, F32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  // a * b + c
+  friend VEC_INLINE F32x16 fma(F32x16 a, F32x16 b, F32x16 c) {
+    return {_mm512_fmadd_ps(a.v, b.v, c.v)};
+  }
+  // per lane a > b ? a : b, so b when either is NaN (vmaxps's rule)
+  friend VEC_INLINE F32x16 max(F32x16 a, F32x16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend VEC_INLINE float reduce_add(F32x16 a) { return _mm512_reduce_add_ps(a.v); }
+  friend VEC_INLINE float reduce_max(F32x16 a) { return _mm512_reduce_max_ps(a.v); }
+  // out[0 .. 4) = the sums of a, b, c, d: halves added, then two rounds of hadd, sharing the
+  // shuffles that four separate reduce_adds would each do
+  friend VEC_INLINE void reduce_add4(F32x16 a, F32x16 b, F32x16 c, F32x16 d, float* out) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)),
+                                    _mm256_hadd_ps(halves(c), halves(d)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+
+ private:
+  static VEC_INLINE __mmask16 mask(int64_t n) {
+    return n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+  }
+  static VEC_INLINE __m256 halves(F32x16 a) {  // low 8 lanes + high 8 lanes
+    return _mm256_add_ps(_mm512_castps512_ps256(a.v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+  }
+};
+
+#else  // 16 floats as the target's own vectors (GCC/Clang vector extension): two of 8 with
+        // AVX, four of 4 otherwise (SSE, NEON); each operation is a loop over them
+
+#if defined(__AVX__)
+constexpr int VEC_PART = 8;
+#else
+constexpr int VEC_PART = 4;
+#endif
+constexpr int VEC_PARTS = 16 / VEC_PART;
+typedef float PartF32 __attribute__((vector_size(4 * VEC_PART)));
+
+struct F32x16 {
+  PartF32 v[VEC_PARTS];
+
+  static VEC_INLINE F32x16 zero() {
+    F32x16 r;
+    for (int j = 0; j < VEC_PARTS; ++j) r.v[j] = PartF32{};
+    return r;
+  }
+  static VEC_INLINE F32x16 set1(float x) {
+    F32x16 r;
+    for (int j = 0; j < VEC_PARTS; ++j) r.v[j] = x - PartF32{};  // x - 0 keeps -0
+    return r;
+  }
+  static VEC_INLINE F32x16 load(const float* p) {
+    F32x16 r;
+    for (int j = 0; j < VEC_PARTS; ++j) __builtin_memcpy(&r.v[j], p + j * VEC_PART, sizeof r.v[j]);
+    return r;
+  }
+  static VEC_INLINE F32x16 load(const float* p, int64_t n) {
+    if (n >= 16) return load(p);
+    float lanes[16] = {};
+    for (int l = 0; l < n; ++l) lanes[l] = p[l];
+    return load(lanes);
+  }
+  static VEC_INLINE F32x16 load(const int8_t* p) {
+#if defined(__AVX2__)  // GCC leaves the widening int8 -> float of 16 lanes scalar
+    F32x16 r;
+    for (int j = 0; j < 2; ++j) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j));
+      r.v[j] = reinterpret_cast<PartF32>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+    return r;
+#else
+    float lanes[16];
+    for (int l = 0; l < 16; ++l) lanes[l] = p[l];
+    return load(lanes);
+#endif
+  }
+  VEC_INLINE void store(float* p) const {
+    for (int j = 0; j < VEC_PARTS; ++j) __builtin_memcpy(p + j * VEC_PART, &v[j], sizeof v[j]);
+  }
+  VEC_INLINE void store(float* p, int64_t n) const {
+    if (n >= 16) return store(p);
+    float lanes[16];
+    store(lanes);
+    for (int l = 0; l < n; ++l) p[l] = lanes[l];
+  }
+
+  friend VEC_INLINE F32x16 operator+(F32x16 a, F32x16 b) {
+    for (int j = 0; j < VEC_PARTS; ++j) a.v[j] += b.v[j];
+    return a;
+  }
+  friend VEC_INLINE F32x16 operator*(F32x16 a, F32x16 b) {
+    for (int j = 0; j < VEC_PARTS; ++j) a.v[j] *= b.v[j];
+    return a;
+  }
+  // a multiply and an add, fused where the target has FMA (GCC contracts them by default in
+  // C++): std::fma would be a library call on a target without it
+  friend VEC_INLINE F32x16 fma(F32x16 a, F32x16 b, F32x16 c) {
+    for (int j = 0; j < VEC_PARTS; ++j) c.v[j] += a.v[j] * b.v[j];
+    return c;
+  }
+  friend VEC_INLINE F32x16 max(F32x16 a, F32x16 b) {
+    for (int j = 0; j < VEC_PARTS; ++j) a.v[j] = a.v[j] > b.v[j] ? a.v[j] : b.v[j];
+    return a;
+  }
+  friend VEC_INLINE float reduce_add(F32x16 a) {
+    PartF32 s = a.v[0];
+    for (int j = 1; j < VEC_PARTS; ++j) s += a.v[j];
+    float r = s[0];
+    for (int l = 1; l < VEC_PART; ++l) r += s[l];
+    return r;
+  }
+  friend VEC_INLINE float reduce_max(F32x16 a) {
+    PartF32 s = a.v[0];
+    for (int j = 1; j < VEC_PARTS; ++j) s = s > a.v[j] ? s : a.v[j];
+    float r = s[0];
+    for (int l = 1; l < VEC_PART; ++l) r = r > s[l] ? r : s[l];
+    return r;
+  }
+  friend VEC_INLINE void reduce_add4(F32x16 a, F32x16 b, F32x16 c, F32x16 d, float* out) {
+    out[0] = reduce_add(a);
+    out[1] = reduce_add(b);
+    out[2] = reduce_add(c);
+    out[3] = reduce_add(d);
+  }
+};
+
+#endif
+
+// Calls f(i, 16) for each whole vector of [0, n) and f(i, n - i) for the tail, if any: written
+// with the partial loads and stores, f's body serves both, and on whole vectors (a constant
+// 16) they compile to plain ones.
+template <typename F>
+VEC_INLINE void for_each_vec(int64_t n, F&& f) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) f(i, int64_t{16});
+  if (i < n) f(i, n - i);
+}
+
+}  // namespace OPS_NAMESPACE
