@@ -108,7 +108,8 @@ def test_paged_decode_attention_matches_dense(ops, cache_dtype, d, copies):
     """Against the gather + masked SDPA of attention/paged.py's torch path, on scattered blocks
     of different lengths (one ending mid-block, one a single token). head_dim 16 and 64 take
     the register-accumulated value pass, 8 and 160 the plain one; 3 sequences are split per KV
-    head over the threads, 12 are whole items."""
+    head over the threads, 12 are whole items. Sliding windows of 1 to 64 keys start
+    mid-block."""
     heads, kv_heads, bs = 6, 2, 4
     k_cache, v_cache = _cache(num_blocks=12, block_size=bs, kv_heads=kv_heads, head_dim=d,
                               dtype=cache_dtype)
@@ -124,6 +125,13 @@ def test_paged_decode_attention_matches_dense(ops, cache_dtype, d, copies):
     out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1), g.seq_lens,
                                      0.25, torch.float32)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    for window in (1, 3, 6, 64):  # a sliding window: the last `window` keys (mid-block starts)
+        expect = F.scaled_dot_product_attention(
+            q.view(b, kv_heads, heads // kv_heads, d), k, v, attn_mask=g.window_mask(window),
+            scale=0.25).reshape(b, heads, d)
+        out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1),
+                                         g.seq_lens, 0.25, torch.float32, window)
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="seq_len outside"):
         ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1),
                                    g.seq_lens + 20, 0.25, torch.float32)

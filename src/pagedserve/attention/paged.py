@@ -100,17 +100,17 @@ def paged_attention_fused(q: torch.Tensor, cache: LayerKVCache, md: AttentionMet
                           scale: float, ops, out_dtype: torch.dtype, window: int | None = None
                           ) -> torch.Tensor:
     """Attention over a cache the new K/V are already in (``ops.rotary_write_kv`` wrote them):
-    decode groups of full-attention layers run ``ops.paged_decode_attention``, which reads the
-    blocks in place; prefill groups and sliding-window layers the torch path above.
+    decode groups run ``ops.paged_decode_attention``, which reads the blocks in place (a
+    sliding-window layer's only its window); prefill groups the torch path above.
     q [num_tokens, num_heads, head_dim] float32 -> the same shape of ``out_dtype``."""
     outs, start = [], 0
     for g in md.groups:
         gq = q[start:start + g.num_tokens]
         start += g.num_tokens
-        if g.query_index is None and window is None:
+        if g.query_index is None:
             outs.append(ops.paged_decode_attention(
                 gq, cache.k, cache.v, g.block_ids.view(g.num_seqs, g.max_blocks), g.seq_lens,
-                scale, out_dtype))
+                scale, out_dtype, window or 0))
         else:
             outs.append(_attend_group(gq, cache, g, md, scale, window).to(out_dtype))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

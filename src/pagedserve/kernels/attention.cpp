@@ -139,12 +139,14 @@ inline void weighted_sum(const float* p, const float* const* rows, int64_t offse
 
 // The decode attention of paged_decode_attention below over raw pointers: q/out
 // [batch, heads, d]; k_cache/v_cache [num_blocks, block_size, kv_heads, d]; block_tables
-// [batch, max_blocks] and seq_lens [batch], both already checked against the cache.
+// [batch, max_blocks] and seq_lens [batch], both already checked against the cache; window > 0
+// attends only the last ``window`` keys of each sequence (0: all).
 template <typename Q, typename C, typename O>
 void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
                                  const int64_t* block_tables, const int64_t* seq_lens, O* out,
                                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t d,
-                                 int64_t block_size, int64_t max_blocks, float scale) {
+                                 int64_t block_size, int64_t max_blocks, float scale,
+                                 int64_t window) {
   const int64_t group = heads / kv_heads, kv = kv_heads * d;
   // A work item is one sequence and a range of its KV heads: all of them when there are
   // enough sequences to share the threads (each block is then read front to back, a token's
@@ -163,20 +165,25 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
     std::vector<float> buf(std::is_same_v<C, float> ? 0 : chunk * width);  // converted rows
     std::vector<const float*> chunk_rows(chunk);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / split, h0 = item % split * per_item, n = seq_lens[b];
+      const int64_t b = item / split, h0 = item % split * per_item, end_key = seq_lens[b];
+      // keys start .. end_key - 1: all of them, or a sliding window's last ones (the blocks
+      // before it are never read)
+      const int64_t start = window > 0 ? std::max<int64_t>(0, end_key - window) : 0;
+      const int64_t n = end_key - start;
       const int64_t* blocks = block_tables + b * max_blocks;
       convert(q + (b * heads + h0 * group) * d, qf.data(), rows * d);
       scale_by(qf.data(), scale, rows * d);
       scores.resize(rows * n);
-      // f(first, count, rows) for each chunk of the sequence: rows[i] is token first + i's row
-      // of the item's KV heads as float32, read in place or converted into buf. Token t is row
-      // t % block_size of block blocks[t / block_size], walked block by block.
+      // f(first, count, rows) for each chunk of the keys (first counted from start): rows[i]
+      // is key start + first + i's row of the item's KV heads as float32, read in place or
+      // converted into buf. Key t is row t % block_size of block blocks[t / block_size],
+      // walked block by block.
       auto for_each_chunk = [&](const C* cache, auto&& f) {
         for (int64_t first = 0; first < n; first += chunk) {
-          const int64_t count = std::min(chunk, n - first);
-          for (int64_t i = 0, j = first / block_size; i < count; ++j) {
+          const int64_t count = std::min(chunk, n - first), t0 = start + first;
+          for (int64_t i = 0, j = t0 / block_size, r = t0 % block_size; i < count; ++j, r = 0) {
             const C* base = cache + blocks[j] * block_size * kv + h0 * d;
-            for (int64_t r = 0; r < block_size && i < count; ++r, ++i)
+            for (; r < block_size && i < count; ++r, ++i)
               chunk_rows[i] = as_float(base + r * kv, buf.data() + i * width, width);
           }
           f(first, count, chunk_rows.data());
@@ -216,10 +223,13 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
 // sequence, each of its G = H / KVH query heads per KV head reading the K/V rows of that head
 // through the block table, so K/V are read once per (sequence, KV head) and never gathered.
 // q [B, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, M] int64;
-// seq_lens [B] int64 (keys 0 .. seq_len - 1, all in the cache). Returns [B, H, D] of out_dtype.
+// seq_lens [B] int64 (keys 0 .. seq_len - 1, all in the cache); window > 0: a sliding-window
+// layer's, only the last ``window`` keys are attended (and read). Returns [B, H, D] of
+// out_dtype.
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                              at::ScalarType out_dtype) {
+                              at::ScalarType out_dtype, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
   TORCH_CHECK(q.dim() == 3 && q.size(2) > 0, "paged_decode_attention: q must be [B, H, D], D > 0");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) > 0,
               "paged_decode_attention: k_cache must be [N, block_size, KVH, D], KVH > 0");
@@ -253,7 +263,8 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
         paged_decode_attention_rows(qc.data_ptr<decltype(q_tag)>(), k_cache.data_ptr<C>(),
                                     v_cache.data_ptr<C>(), table, len,
                                     out.data_ptr<decltype(o_tag)>(), batch, heads, kv_heads,
-                                    d, block_size, max_blocks, static_cast<float>(scale));
+                                    d, block_size, max_blocks, static_cast<float>(scale),
+                                    window);
       });
     });
   });

@@ -22,7 +22,7 @@ TORCH_LIBRARY(OPS_NAMESPACE, m) {
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "ScalarType q_dtype) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, ScalarType out_dtype) -> Tensor");
+        "Tensor seq_lens, float scale, ScalarType out_dtype, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(OPS_NAMESPACE, CPU, m) {

@@ -26,7 +26,7 @@ Tensor rotary_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
                        int64_t num_heads, int64_t num_kv_heads, at::ScalarType q_dtype);
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                              at::ScalarType out_dtype);
+                              at::ScalarType out_dtype, int64_t window);
 Tensor argmax(const Tensor& x);
 Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales);
 Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
