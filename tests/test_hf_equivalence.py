@@ -247,3 +247,21 @@ def test_linear_layers_are_chosen_at_construction(tmp_path, tied):
         assert torch.equal(attn.qkv_proj.weight, qkv)
         assert model.lm_head.packed is None and torch.equal(model.lm_head.float_weight, head)
         assert tokens == packed_tokens
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sliding_window_through_prefix_hits_and_preemption(tiny_gemma3, mode):
+    """Gemma 3's 8-token windows over 45-token shared prefixes: a tight pool (preemption,
+    prefix hits) gives a roomy run's tokens."""
+    from _helpers import shared_prefix_workload
+
+    prompts, params = shared_prefix_workload(10, 20)
+    roomy = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
+                enable_prefix_caching=False)
+    ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=60, block_size=4,
+                preemption_mode=mode, swap_space=0.01, max_num_batched_tokens=32)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    stats = tight.kv_cache_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0

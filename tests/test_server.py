@@ -516,3 +516,26 @@ def test_serve_bad_flags_are_one_line_errors(tiny_llama, args, message, capsys):
 
     assert main(["serve", "--model", tiny_llama, "--num-kv-blocks", "16", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_chat_on_a_model_without_a_chat_template_says_why(tmp_path):
+    """A base model (no chat template, as gemma3-270m) answers chat with a 400 naming the
+    reason; completions work."""
+    from _helpers import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "base", "gemma3")
+    for f in tmp_path.glob("base/chat_template*"):
+        f.unlink()
+    config = tmp_path / "base" / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "chat_template"}))
+    engine = LLMEngine(path, num_kv_blocks=64, block_size=4)
+    s = LiveServer(engine)
+    try:
+        r = _post(s, "/v1/chat/completions", {**OK_CHAT, "max_tokens": 2})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        r = _post(s, "/v1/completions", {"model": MODEL, "prompt": "a b", "max_tokens": 2,
+                                           "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        s.stop()

@@ -272,3 +272,21 @@ def test_worker_cli_needs_the_rendezvous_environment(monkeypatch, capsys):
         monkeypatch.setenv("WORLD_SIZE", world_size)
         assert main(["worker"]) == 2  # at once: RANK=5 of 2 waited on the rendezvous before
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_tp2_equals_tp1_for_sliding_window_and_qk_norm_models(tmp_path, arch):
+    """Gemma 3 (sliding-window layers, four norms, replicated q/k norms) and Qwen 3 split over
+    two ranks, through prefix caching and recompute preemption."""
+    path = save_tiny_model(tmp_path / arch, arch)
+    prompts, params = shared_prefix_workload(8, 20)
+    one = LLM(path, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4)
+    ref = _tokens(one.generate(prompts, params, use_tqdm=False))
+    two = LLM(path, skip_tokenizer_init=True, num_kv_blocks=60, block_size=4,
+              tensor_parallel_size=2)
+    try:
+        assert _tokens(two.generate(prompts, params, use_tqdm=False)) == ref
+        stats = two.kv_cache_stats()
+        assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+    finally:
+        two.llm_engine.shutdown()
