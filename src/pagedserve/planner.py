@@ -83,6 +83,7 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("mistral-7b", 32, 4096, 32, 8, 128, 32000, 14336, 32768),
     ModelShape("qwen2-7b", 28, 3584, 28, 4, 128, 152064, 18944, 32768),
     ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 49152, 1536, 8192, tie_word_embeddings=True),
+    ModelShape("gemma3-270m", 18, 640, 4, 1, 256, 262144, 2048, 32768, tie_word_embeddings=True),
     ModelShape("opt-13b", 40, 5120, 40, 40, 128, 50272, 20480, 2048, tie_word_embeddings=True,
                gated_mlp=False),
 )}
