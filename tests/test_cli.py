@@ -47,6 +47,8 @@ def test_stream_prompt(tiny_llama, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "hi", "--model", "/missing/model"], "does not exist"),
+    (["generate", "hi", "--model", "gemma3-999b"],
+     "does not exist; models fetched by name: SmolLM2-135M-Instruct, gemma3-270m"),
     (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate"], "either a PROMPT or --input"),
     (["generate", ""], "the prompt is empty"),

@@ -76,6 +76,17 @@ def test_max_num_seqs_bounds_the_batch():
     assert sched.num_waiting() == (1, 1) and sched.num_waiting(2) == (1, 3)
 
 
+def test_num_waiting_counts_requests_the_cache_cannot_take():
+    """Free seats but too few free blocks: the request waits, and counts as waiting (the
+    server's max_num_waiting is about requests that will not run next step)."""
+    sched = _scheduler(max_num_seqs=8, budget=4096)
+    _add(sched, 4 * sched.block_manager.num_free_blocks - 8, "big")  # all but two blocks
+    _step(sched)
+    _add(sched, 4, "fits")
+    _add(sched, 12, "too-big")
+    assert sched.num_waiting() == (1, 1) and sched.num_waiting(3) == (1, 4)
+
+
 def test_only_update_from_output_advances_computed_tokens():
     sched = _scheduler()
     a = _add(sched, 6, "a")

@@ -325,11 +325,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.served_model_name == "":
         raise ValueError("--served-model-name is empty")
     from pagedserve.engine import LLMEngine
+    from pagedserve.loader.fetched import DEFAULT_MODEL_NAME, MODELS
     from pagedserve.server import run_server
 
     engine = LLMEngine(**engine_kwargs(args))
+    # a model fetched by name is served under that name, a file under its stem
     name = args.served_model_name or (
-        "SmolLM2-135M-Instruct" if args.model is None else served_model_name(engine.model_path))
+        DEFAULT_MODEL_NAME if args.model is None
+        else args.model if args.model in MODELS else served_model_name(engine.model_path))
     try:
         run_server(engine, name,
                    host=args.host, port=args.port, api_key=api_key,

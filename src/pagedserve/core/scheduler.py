@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pagedserve.config import SchedulerConfig
-from pagedserve.core.block_manager import BlockManager
+from pagedserve.core.block_manager import BlockManager, cdiv
 from pagedserve.sequence import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -96,10 +96,18 @@ class Scheduler:
 
     def num_waiting(self, num_new: int = 0) -> tuple[int, int]:
         """(requests waiting now, and after ``num_new`` more arrive), not counting those the
-        next step can admit into free seats."""
-        free = max(0, self.config.max_num_seqs - self.num_seats())
-        return (max(0, len(self.waiting) - free),
-                max(0, len(self.waiting) + num_new - free))
+        next step can admit: in queue order, while a seat is free and the free KV blocks hold
+        their tokens (on a CPU the cache, not the seats, is what usually runs out)."""
+        seats = max(0, self.config.max_num_seqs - self.num_seats())
+        blocks, size = self.block_manager.num_free_blocks, self.block_manager.block_size
+        admitted = 0
+        for request in self.waiting:
+            need = sum(cdiv(seq.num_tokens, size) for seq in request.live_seqs)
+            if admitted == seats or need > blocks:
+                break
+            blocks -= need
+            admitted += 1
+        return len(self.waiting) - admitted, len(self.waiting) + num_new - admitted
 
     def _plan(self, request: Request, budget: int) -> list[tuple[Sequence, int, list[int]]]:
         """(sequence, tokens to compute, prefix hits) for the request's live sequences within

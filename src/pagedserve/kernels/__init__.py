@@ -134,8 +134,8 @@ def _switch() -> str:
     if value == "unpacked":
         return value
     if value not in ("1", "true", "yes", "on"):
-        _log_once(logging.WARNING, "ignoring %s=%r (use 0, 1 or unpacked); the CPU kernels "
-                  "stay on", ENV, value)
+        _log_once(logging.WARNING, "ignoring %s=%r (use 0 or off, 1 or on, unpacked); the CPU "
+                  "kernels stay on", ENV, value)
     return "on"
 
 

@@ -53,6 +53,8 @@ def open_model(model: str | Path | None) -> ModelSource:
         if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/")):
             hint = (f"; to serve the hub model {model!r}, download it first "
                     f"(huggingface-cli download {model} --local-dir DIR) and pass DIR")
+        elif isinstance(model, str) and "/" not in model and "." not in Path(model).name:
+            hint = f"; models fetched by name: {', '.join(MODELS)}"
         raise FileNotFoundError(f"model path {str(path)!r} does not exist{hint}")
     if path.is_dir():
         return hf.open_hf_dir(path)
