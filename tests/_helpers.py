@@ -112,6 +112,20 @@ def save_tiny_model(path, arch: str = "llama", **overrides) -> str:
     return str(path)
 
 
+def save_base_model(path) -> str:
+    """A tiny Gemma 3 whose tokenizer has no chat template (a base model, as gemma3-270m)."""
+    import json
+    from pathlib import Path
+
+    out = save_tiny_model(path, "gemma3")
+    for f in Path(out).glob("chat_template*"):
+        f.unlink()
+    config = Path(out) / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "chat_template"}))
+    return out
+
+
 def load_hf(path: str, gguf_file: str | None = None):
     """The transformers reference model (fp32, eval, EOS never stops generation)."""
     from transformers import AutoModelForCausalLM

@@ -72,6 +72,20 @@ def test_chat_with_invalid_text(llm):
         llm.chat([{"role": "user", "content": "\ud800"}], GREEDY, use_tqdm=False)
 
 
+def test_chat_without_a_template_needs_one_given(tmp_path):
+    """A base model: chat says why it cannot; with chat_template= (vLLM's argument) it
+    renders the conversation with the given template."""
+    from _helpers import save_base_model
+
+    base = LLM(save_base_model(tmp_path / "base"), num_kv_blocks=64, block_size=4)
+    conv = [{"role": "user", "content": "a b c"}]
+    with pytest.raises(ValueError, match="no chat template.*base model"):
+        base.chat(conv, GREEDY, use_tqdm=False)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    out = base.chat(conv, GREEDY, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "[user] a b c\n"
+
+
 def test_add_request_argument_types(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="request_id must be a string"):

@@ -521,15 +521,9 @@ def test_serve_bad_flags_are_one_line_errors(tiny_llama, args, message, capsys):
 def test_chat_on_a_model_without_a_chat_template_says_why(tmp_path):
     """A base model (no chat template, as gemma3-270m) answers chat with a 400 naming the
     reason; completions work."""
-    from _helpers import save_tiny_model
+    from _helpers import save_base_model
 
-    path = save_tiny_model(tmp_path / "base", "gemma3")
-    for f in tmp_path.glob("base/chat_template*"):
-        f.unlink()
-    config = tmp_path / "base" / "tokenizer_config.json"
-    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
-                                  if k != "chat_template"}))
-    engine = LLMEngine(path, num_kv_blocks=64, block_size=4)
+    engine = LLMEngine(save_base_model(tmp_path / "base"), num_kv_blocks=64, block_size=4)
     s = LiveServer(engine)
     try:
         r = _post(s, "/v1/chat/completions", {**OK_CHAT, "max_tokens": 2})

@@ -62,16 +62,21 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
-        list of conversations, rendered with the model's chat template."""
+        list of conversations, rendered with the model's chat template or ``chat_template``
+        (a Jinja template, as transformers takes it; for a model without one)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
+            kwargs = dict(chat_template_kwargs or {})
+            if chat_template is not None:
+                kwargs["chat_template"] = chat_template
             text, ids = self.llm_engine.input_processor.render_chat(
-                conv, add_generation_prompt, **(chat_template_kwargs or {}))
+                conv, add_generation_prompt, **kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 

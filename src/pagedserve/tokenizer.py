@@ -56,13 +56,14 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                         **kwargs: Any) -> tuple[str, list[int]]:
-    """A conversation rendered with the tokenizer's chat template: (text, token ids).
+    """A conversation rendered with the tokenizer's chat template, or the Jinja template
+    ``chat_template`` given in kwargs: (text, token ids).
 
-    Raises ValueError for an empty conversation or a tokenizer without a chat template.
+    Raises ValueError for an empty conversation or when there is no template.
     """
     if not messages:
         raise ValueError("messages must not be empty")
-    if getattr(tokenizer, "chat_template", None) is None:
+    if kwargs.get("chat_template") is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model has no chat template (a base model, such as gemma3-270m, "
                          "is not tuned for chat): send a plain prompt instead (LLM.generate, "
                          "/v1/completions, pagedserve generate)")
