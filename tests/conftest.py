@@ -44,24 +44,18 @@ def all_blocks_returned():
         eng.block_manager.pool.check_invariants([])
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+def _tiny_model_fixture(arch: str):
+    """A session fixture: the path of a tiny random model of ``arch`` (save_tiny_model)."""
+    @pytest.fixture(scope="session", name=f"tiny_{arch}")
+    def fixture(tmp_path_factory) -> str:
+        return save_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), arch)
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory) -> str:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3(tmp_path_factory) -> str:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3(tmp_path_factory) -> str:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3")
+tiny_llama = _tiny_model_fixture("llama")
+tiny_qwen2 = _tiny_model_fixture("qwen2")
+tiny_qwen3 = _tiny_model_fixture("qwen3")
+tiny_gemma3 = _tiny_model_fixture("gemma3")
 
 
 @pytest.fixture(scope="session")
