@@ -24,7 +24,7 @@ def seq_of(tokens, rid="r", salt=None, max_tokens=8):
 def admit(bm: BlockManager, seq, n=None):
     """Admit a new sequence like the scheduler does: prefix hits, then its tokens."""
     hits = bm.find_cached_prefix(seq)
-    start = len(hits) * BS
+    start = bm.hit_blocks(hits) * BS
     n = seq.num_tokens - start if n is None else n
     assert bm.can_allocate([(seq, n, hits)])
     bm.allocate(seq, n, hits, [])
@@ -93,9 +93,9 @@ def test_hit_on_shared_prefix_while_owner_runs():
     admit(bm, owner)
     other = seq_of(PREFIX + [3], "b")
     hits = admit(bm, other)
-    assert hits == owner.block_table[:3]
-    assert all(bm.pool.ref_cnt[b] == 2 for b in hits)
-    assert other.num_computed_tokens == 13 and other.block_table[:3] == hits
+    assert hits == [owner.block_table[:3]]
+    assert all(bm.pool.ref_cnt[b] == 2 for b in hits[0])
+    assert other.num_computed_tokens == 13 and other.block_table[:3] == hits[0]
     assert other.block_table[3] != owner.block_table[3]  # the partial block is never shared
 
 
@@ -104,7 +104,7 @@ def test_last_prompt_token_is_always_computed():
     admit(bm, seq_of(PREFIX, "a"))
     same = seq_of(PREFIX, "b")
     hits = bm.find_cached_prefix(same)
-    assert len(hits) == 2  # not 3: the 12th token must be computed for logits
+    assert bm.hit_blocks(hits) == 2  # not 3: the 12th token must be computed for logits
 
 
 def test_free_is_tail_first_so_prefixes_outlive_tails():
@@ -116,7 +116,7 @@ def test_free_is_tail_first_so_prefixes_outlive_tails():
     assert list(bm.pool.free_queue)[-4:] == table[::-1]  # the tail is evicted first
     bm.pool.allocate(2)  # the free block, then a's tail block
     b = seq_of(PREFIX + [9], "b")
-    assert bm.find_cached_prefix(b) == table[:3]  # the shared prefix survived
+    assert bm.find_cached_prefix(b) == [table[:3]]  # the shared prefix survived
 
 
 def test_unrelated_request_evicts_least_recently_used_first():
@@ -132,7 +132,7 @@ def test_unrelated_request_evicts_least_recently_used_first():
     admit(bm, unrelated)  # needs 2 blocks: 2 empty ones exist, no eviction yet
     admit(bm, seq_of([5, 6, 7, 8, 9], "y"))  # 2 more: evicts the old request's 2 blocks
     assert bm.find_cached_prefix(seq_of(list(range(200, 208)) + [1], "o2")) == []
-    assert len(bm.find_cached_prefix(seq_of(list(range(300, 308)) + [1], "n2"))) == 2
+    assert bm.hit_blocks(bm.find_cached_prefix(seq_of(list(range(300, 308)) + [1], "n2"))) == 2
 
 
 def test_allocation_never_evicts_its_own_hits():
@@ -143,7 +143,7 @@ def test_allocation_never_evicts_its_own_hits():
     assert bm.pool.num_free_blocks == 4 and bm.pool.num_cached_blocks == 3
     b = seq_of(PREFIX + [1, 2, 3, 4, 5], "b")  # 3 hits (evictable) + needs 2 new blocks
     hits = bm.find_cached_prefix(b)
-    assert len(hits) == 3
+    assert bm.hit_blocks(hits) == 3
     # 4 free in total, but 3 of them are b's own hits: only 1 may be taken
     assert not bm.can_allocate([(b, b.num_tokens - 12, hits)])
 
@@ -166,7 +166,7 @@ def test_reused_evicted_block_has_no_stale_hash():
     bm.free(a)
     x = seq_of(list(range(50, 62)), "x")  # takes all 3 blocks, evicting a's cached ones
     admit(bm, x)
-    assert [bm.pool.block_hash[b] for b in x.block_table] == x.block_hashes  # none of a's
+    assert [bm.pool.block_hash[b] for b in x.block_table] == [(0, h) for h in x.block_hashes]  # none of a's
     assert bm.find_cached_prefix(seq_of(list(range(10, 18)) + [1], "a2")) == []
     bm.pool.check_invariants([x.block_table])
 
@@ -176,7 +176,7 @@ def test_different_cache_salt_never_hits():
     admit(bm, seq_of(PREFIX + [1], "a", salt="tenant-1"))
     assert bm.find_cached_prefix(seq_of(PREFIX + [1], "b", salt="tenant-2")) == []
     assert bm.find_cached_prefix(seq_of(PREFIX + [1], "c")) == []
-    assert len(bm.find_cached_prefix(seq_of(PREFIX + [1], "d", salt="tenant-1"))) == 3
+    assert bm.hit_blocks(bm.find_cached_prefix(seq_of(PREFIX + [1], "d", salt="tenant-1"))) == 3
 
 
 def test_idle_pool_accounts_for_every_block():
@@ -223,7 +223,7 @@ def test_swap_out_and_in_keeps_sharing():
     bm.fork(parent, child)
     out = bm.swap_out([parent, child])
     assert len(out) == 2 and bm.pool.num_used_blocks == 0
-    assert parent.swap_table == child.swap_table
+    assert parent.swap_tables == child.swap_tables
     assert bm.can_swap_in([parent, child])
     back = bm.swap_in([parent, child])
     assert len(back) == 2 and parent.block_table == child.block_table

@@ -259,7 +259,7 @@ def test_sliding_window_through_prefix_hits_and_preemption(tiny_gemma3, mode):
     roomy = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
                 enable_prefix_caching=False)
     ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
-    tight = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=60, block_size=4,
+    tight = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=100, block_size=4,
                 preemption_mode=mode, swap_space=0.01, max_num_batched_tokens=32)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -116,24 +116,24 @@ def test_paged_decode_attention_matches_dense(ops, cache_dtype, d, copies):
     tables = [[7, 2, 9], [4], [11, 0, 5, 3, 1]] * copies
     seq_lens = [10, 1, 20] * copies
     b = len(seq_lens)
-    g = build_group([1] * b, seq_lens, tables, bs, heads // kv_heads, torch.device("cpu"))
+    g = build_group([1] * b, seq_lens, [tables], bs, heads // kv_heads, torch.device("cpu"))
     q = torch.randn(b, heads, d)
-    k = k_cache.float()[g.block_ids].view(b, -1, kv_heads, d).transpose(1, 2)
-    v = v_cache.float()[g.block_ids].view(b, -1, kv_heads, d).transpose(1, 2)
+    k = k_cache.float()[g.block_ids[0]].view(b, -1, kv_heads, d).transpose(1, 2)
+    v = v_cache.float()[g.block_ids[0]].view(b, -1, kv_heads, d).transpose(1, 2)
     expect = F.scaled_dot_product_attention(q.view(b, kv_heads, heads // kv_heads, d), k, v,
                                             attn_mask=g.mask, scale=0.25).reshape(b, heads, d)
-    out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1), g.seq_lens,
+    out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids[0].view(b, -1), g.seq_lens,
                                      0.25, torch.float32)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
     for window in (1, 3, 6, 64):  # a sliding window: the last `window` keys (mid-block starts)
         expect = F.scaled_dot_product_attention(
             q.view(b, kv_heads, heads // kv_heads, d), k, v, attn_mask=g.window_mask(window),
             scale=0.25).reshape(b, heads, d)
-        out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1),
+        out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids[0].view(b, -1),
                                          g.seq_lens, 0.25, torch.float32, window)
         torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="seq_len outside"):
-        ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids.view(b, -1),
+        ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids[0].view(b, -1),
                                    g.seq_lens + 20, 0.25, torch.float32)
 
 

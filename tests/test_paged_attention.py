@@ -72,14 +72,14 @@ def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0,
 
     def group(ids):
         return build_group([seqs[i][1] for i in ids], [seqs[i][0] for i in ids],
-                           [tables[i] for i in ids], block_size, n_q, torch.device("cpu"))
+                           [[tables[i] for i in ids]], block_size, n_q, torch.device("cpu"))
 
     # decodes in two groups (as the runner splits them by length), then the prefills
     cut = len(dec) // 2
     groups = [group(ids) for ids in (dec[:cut], dec[cut:], pre) if ids]
     rows = sum(len(t) for t in tables.values()) * 2
     md = AttentionMetadata(
-        slot_mapping=torch.tensor([s for i in order for s in slots[i]]), groups=groups,
+        slot_mapping=[torch.tensor([s for i in order for s in slots[i]])], groups=groups,
         k_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim),
         v_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim),
     )

@@ -156,10 +156,10 @@ def test_prepare_input_lays_out_decodes_then_prefills_with_slots_and_sample_rows
     slots = [d.block_table[1] * 4 + 1]
     slots += [p.block_table[i // 4] * 4 + i % 4 for i in range(10)]
     slots += [q.block_table[i // 4] * 4 + i % 4 for i in range(6)]
-    assert inp.slot_mapping == slots
+    assert inp.slot_mapping == [slots]
     assert inp.sample_rows == [0, 10] and res.sample_seqs == [d, p]  # q's chunk is partial
-    assert inp.groups == [([1], [6], [d.block_table]),
-                          ([10, 6], [10, 6], [p.block_table, q.block_table])]
+    assert inp.groups == [([1], [6], [[d.block_table]]),
+                          ([10, 6], [10, 6], [[p.block_table, q.block_table]])]
 
 
 def test_prepare_input_marks_prompt_rows_for_prompt_logprobs():

@@ -106,11 +106,13 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each, stored as
-    ``kv_cache_dtype`` (resolved: "float32", "bfloat16", "float16", "fp8" or "int8")."""
+    ``kv_cache_dtype`` (resolved: "float32", "bfloat16", "float16", "fp8" or "int8"), shared
+    by KV groups with these sliding ``windows`` (None: full attention; kv/spec.py)."""
 
     block_size: int
     num_blocks: int
     kv_cache_dtype: str
+    windows: tuple[int | None, ...] = (None,)
     debug_checks: bool = field(default_factory=envs.debug_kv)
 
 
@@ -187,6 +189,10 @@ class EngineArgs:
                                        "bfloat16, float16, or 8 bits with a scale per token "
                                        "and KV head: int8, fp8 (e4m3)",
                                 choices=KV_CACHE_DTYPE_NAMES)
+    disable_hybrid_kv_cache_manager: bool = _opt(
+        False, "keep every layer's K/V for the whole sequence; by default a model with "
+               "sliding-window layers pages them as their own KV groups, which return the "
+               "blocks their window has passed")
     kv_allocator: str = _opt("paged", "paged, or contiguous (the pre-paging ablation: "
                                       "max_model_len slots reserved per request)",
                              choices=("paged", "contiguous"))
@@ -222,7 +228,8 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             canonical_dtype(self.kv_cache_dtype, KV_CACHE_DTYPES[1:], "kv_cache_dtype")
 
-        for name in ("skip_tokenizer_init", "enable_prefix_caching"):
+        for name in ("skip_tokenizer_init", "enable_prefix_caching",
+                     "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("preemption_mode", "kv_allocator"):

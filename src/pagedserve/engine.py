@@ -93,13 +93,13 @@ class LLMEngine:
         self.model, self.kv_cache = local.model, local.kv_cache
         self.kv_bytes_per_token = sizing.kv_bytes_per_token
         bs, blocks, max_len = args.block_size, sizing.num_kv_blocks, sizing.max_model_len
-        self.cache_config = CacheConfig(bs, blocks, spec.name)
+        self.cache_config = CacheConfig(bs, blocks, spec.name, sizing.layout.windows)
         self.scheduler_config = args.scheduler_config(max_len)
         if args.kv_allocator == "contiguous":  # the pre-paging baseline, no prefix caching
             self.block_manager = ContiguousBlockManager(blocks, bs, cdiv(max_len, bs))
         else:
             self.block_manager = BlockManager(blocks, bs, args.enable_prefix_caching,
-                                              sizing.num_swap_blocks)
+                                              sizing.num_swap_blocks, sizing.layout.windows)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
                                    args.preemption_mode)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,

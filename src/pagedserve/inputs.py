@@ -12,6 +12,7 @@ import math
 from typing import Any, NamedTuple
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.kv.spec import blocks_per_seq
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.tokenizer import apply_chat_template, check_text, encode
 
@@ -235,7 +236,8 @@ class InputProcessor:
         if num_seqs > cfg.max_num_seqs:
             raise ValueError(f"{field}={num_seqs} sequences is more than max_num_seqs="
                              f"{cfg.max_num_seqs}")
-        need = num_seqs * -(-seq_len // cache.block_size)
+        need = num_seqs * blocks_per_seq(cache.windows, seq_len, cache.block_size,
+                                         cfg.max_num_batched_tokens)
         if need > cache.num_blocks:
             raise ValueError(
                 f"{field}={num_seqs} sequences of up to {seq_len} tokens need up to {need} KV "

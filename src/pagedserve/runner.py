@@ -69,21 +69,23 @@ class ModelRunnerOutput:
 @dataclass
 class ModelInput:
     """One step as plain data (lists of ints, picklable): what every tensor-parallel rank needs
-    to run the same forward. ``groups``: per attention group, (query_lens, seq_lens,
-    block_tables); ``sample_rows`` / ``prompt_rows``: token rows projected to logits."""
+    to run the same forward. ``slot_mapping``: per KV group, each token's cache row;
+    ``groups``: per attention group, (query_lens, seq_lens, block tables per KV group);
+    ``sample_rows`` / ``prompt_rows``: token rows projected to logits."""
 
     blocks_to_swap_out: list[tuple[int, int]]
     blocks_to_swap_in: list[tuple[int, int]]
     blocks_to_copy: list[tuple[int, int]]
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
-    groups: list[tuple[list[int], list[int], list[list[int]]]] = field(default_factory=list)
+    slot_mapping: list[list[int]] = field(default_factory=list)
+    groups: list[tuple[list[int], list[int], list[list[list[int]]]]] = field(
+        default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)
 
 
-def prepare_input(sched: SchedulerOutput, block_size: int
+def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 1
                   ) -> tuple[ModelInput, ModelRunnerOutput]:
     """Lay out one scheduled batch: the step's ModelInput (token ids, positions, the KV slot
     of each token from its sequence's block table, attention groups, the rows to project to
@@ -96,7 +98,8 @@ def prepare_input(sched: SchedulerOutput, block_size: int
     if prefills:
         groups.append(prefills)
     bs = block_size
-    input_ids, positions, slots = inp.input_ids, inp.positions, inp.slot_mapping
+    input_ids, positions = inp.input_ids, inp.positions
+    inp.slot_mapping = [[] for _ in range(num_kv_groups)]
     for seq, n in (item for group in groups for item in group):
         start = seq.num_computed_tokens
         num_prompt = len(seq.request.prompt_token_ids)
@@ -107,13 +110,14 @@ def prepare_input(sched: SchedulerOutput, block_size: int
             inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
         input_ids.extend(seq.token_ids[start:start + n])
         positions.extend(range(start, start + n))
-        table = seq.block_table
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        for table, slots in zip(seq.block_tables, inp.slot_mapping, strict=True):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         if start + n == seq.num_tokens:
             inp.sample_rows.append(len(input_ids) - 1)
             out.sample_seqs.append(seq)
     inp.groups = [([n for _, n in g], [s.num_computed_tokens + n for s, n in g],
-                   [s.block_table for s, _ in g]) for g in groups]
+                   [[s.block_tables[k] for s, _ in g] for k in range(num_kv_groups)])
+                  for g in groups]
     return inp, out
 
 
@@ -126,6 +130,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        self.num_kv_groups = len(kv_cache.layout.groups)
         cfg = model.config
         self.num_queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
         self._workspaces: dict[str, torch.Tensor | None] = {"k": torch.empty(0)}
@@ -149,7 +154,7 @@ class ModelRunner:
         return ws
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, ModelRunnerOutput]:
-        return prepare_input(sched, self.block_size)
+        return prepare_input(sched, self.block_size, self.num_kv_groups)
 
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -170,7 +175,8 @@ class ModelRunner:
                        for q, s, t in inp.groups]
         ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=dev),
+            slot_mapping=[torch.tensor(s, dtype=torch.int64, device=dev)
+                          for s in inp.slot_mapping],
             groups=attn_groups, k_workspace=ws["k"], v_workspace=ws["v"],
             raw_workspace=ws["raw"], scale_workspace=ws["scale"],
         )

@@ -4,12 +4,14 @@ A ``Request`` is what a user sent: one prompt and its parameters. It owns one or
 ``Sequence``s: one for n=1, n after the first sampled token for parallel sampling (forked from
 the prompt's sequence, sharing its blocks), up to beam_width live beams for beam search.
 
-Invariants of a Sequence: ``token_ids`` = prompt + generated tokens; the K/V of
-``token_ids[:num_computed_tokens]`` sit in the slots of ``block_table`` (position p at
-``block_table[p // block_size] * block_size + p % block_size``); ``block_hashes[i]`` is the
-prefix-cache hash of full block i of ``token_ids``; the first ``num_cached_blocks`` blocks of
-``block_table`` are registered in the prefix cache. While swapped out, ``swap_table`` holds the
-host blocks and ``block_table`` is empty.
+Invariants of a Sequence: ``token_ids`` = prompt + generated tokens; ``block_tables`` has one
+table per KV group (kv/spec.py ``KVLayout``), or none before the first allocation; in every
+group the K/V of ``token_ids[:num_computed_tokens]`` sit in the slots of its table (position p
+at ``table[p // block_size] * block_size + p % block_size``), except that a sliding-window
+group's entries the window no longer reaches are ``NULL_BLOCK``; ``block_hashes[i]`` is the
+prefix-cache hash of full block i of ``token_ids``; the first ``num_cached_blocks`` entries of
+every table are registered in the prefix cache (null ones excepted). While swapped out,
+``swap_tables`` holds the host blocks and ``block_tables`` is empty.
 """
 
 from __future__ import annotations
@@ -66,16 +68,21 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
-    swap_table: list[int] = field(default_factory=list)
+    swap_tables: list[list[int]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
     # (tokens, characters) already returned in RequestOutputKind.DELTA outputs.
     delta_offsets: tuple[int, int] = (0, 0)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table (a model with one kind of attention has only it)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

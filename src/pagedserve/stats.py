@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.core.block_manager import BlockManager
+from pagedserve.core.block_manager import NULL_BLOCK, BlockManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.outputs import KVCacheStats, RequestMetrics, RequestOutput
 
@@ -97,19 +97,23 @@ class StatsTracker:
         self.max_num_running = max(self.max_num_running, len(self.scheduler.running))
         bs = self.block_size
         # Slots holding K/V: the used blocks are exactly the running sequences' blocks, all
-        # full but each sequence's last; a shared last block counts once, at its fullest.
+        # full but the last of each table; a shared last block counts once, at its fullest.
         short: dict[int, int] = {}  # last block -> empty slots in it
         for s in live:
-            if s.block_table:
-                b = s.block_table[-1]
-                empty = len(s.block_table) * bs - s.num_computed_tokens
-                short[b] = min(short.get(b, bs), empty)
+            for table in s.block_tables:
+                if table:
+                    b = table[-1]
+                    empty = len(table) * bs - s.num_computed_tokens
+                    short[b] = min(short.get(b, bs), empty)
         filled = bs * pool.num_used_blocks - sum(short.values())
         if self.debug_checks:
             held: dict[int, int] = {}
             for s in live:
-                for i, b in enumerate(s.block_table):
-                    held[b] = max(held.get(b, 0), min(bs, s.num_computed_tokens - i * bs))
+                for table in s.block_tables:
+                    for i, b in enumerate(table):
+                        if b != NULL_BLOCK:
+                            held[b] = max(held.get(b, 0),
+                                          min(bs, s.num_computed_tokens - i * bs))
             assert filled == sum(held.values()), (filled, sum(held.values()))
         reserved = bs * getattr(self.block_manager, "num_reserved_blocks", pool.num_used_blocks)
         self._slot_steps[0] += filled
@@ -118,7 +122,8 @@ class StatsTracker:
             self._peak_reserved = (reserved, filled / reserved)
         used = pool.num_used_blocks
         self._block_steps[0] += used
-        self._block_steps[1] += sum(len(s.block_table) for s in live)
+        self._block_steps[1] += sum(len(t) - t.count(NULL_BLOCK)
+                                    for s in live for t in s.block_tables)
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
             self.kv_token_utilization = filled / (used * bs)

@@ -23,8 +23,10 @@ from pagedserve.kv.cache import (
     default_kv_cache_memory,
     kv_bytes_per_token,
     num_blocks_for_memory,
+    slot_bytes_per_token,
 )
 from pagedserve.kv.quant import KVCacheSpec, resolve_kv_cache_dtype
+from pagedserve.kv.spec import KVLayout, kv_layout
 from pagedserve.loader import open_model
 from pagedserve.model.layers import LinearOptions
 from pagedserve.model.llama import LlamaForCausalLM
@@ -45,6 +47,13 @@ class ShardOptions:
     block_size: int
     num_swap_blocks: int
     max_model_len: int
+    hybrid_kv: bool = True
+
+
+def model_kv_layout(cfg: ModelConfig, hybrid: bool) -> KVLayout:
+    """The model's KV groups: its sliding-window layers paged apart from its full-attention
+    ones unless ``hybrid`` is False (kv/spec.py)."""
+    return kv_layout([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)], hybrid)
 
 
 def linear_options(dtype: torch.dtype, device: torch.device,
@@ -73,7 +82,8 @@ def finish_shard(net: LlamaForCausalLM, shard: ShardOptions, tp: TPGroup) -> KVC
     net.init_rotary(shard.max_model_len)
     spec = resolve_kv_cache_dtype(shard.kv_cache_dtype, next(net.parameters()).dtype)
     return KVCache.allocate(local_config(net.config, tp), shard.num_kv_blocks, shard.block_size,
-                            spec, device, shard.num_swap_blocks)
+                            spec, device, shard.num_swap_blocks,
+                            model_kv_layout(net.config, shard.hybrid_kv))
 
 
 def build_worker(shard: ShardOptions, tp: TPGroup) -> ModelRunner:
@@ -90,43 +100,52 @@ logger = logging.getLogger("pagedserve")
 
 
 class KVSizing(NamedTuple):
-    """The cache rank 0 resolved: blocks, the context length they allow, swap blocks, and
-    the bytes one token's K/V cost on one worker."""
+    """The cache rank 0 resolved: blocks, the context length they allow, swap blocks, the
+    bytes one token's K/V cost on one worker (every layer), and the KV groups."""
 
     num_kv_blocks: int
     max_model_len: int
     num_swap_blocks: int
     kv_bytes_per_token: int
+    layout: KVLayout
 
 
 def size_kv_cache(args: EngineArgs, shard: ModelConfig, spec: KVCacheSpec, model_limit: int,
                   device: torch.device, local_ranks: int) -> KVSizing:
     """Blocks from ``num_kv_blocks`` or ``kv_cache_memory`` (default: a share of free memory,
     split between the ranks on this host), and ``max_model_len`` (default: the model's limit
-    or the capacity if smaller). Raises ValueError naming the numbers when they do not fit."""
+    or the longest sequence the blocks hold, if shorter). Raises ValueError naming the numbers
+    when they do not fit."""
     per_token = kv_bytes_per_token(shard, spec)  # per worker: 1/N of the KV heads
-    bs = args.block_size
+    layout = model_kv_layout(shard, hybrid=not args.disable_hybrid_kv_cache_manager
+                             and args.kv_allocator == "paged")
+    bs, chunk = args.block_size, args.max_num_batched_tokens
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None:
         memory = args.kv_cache_memory
         if memory is None:
             memory = default_kv_cache_memory(device) // local_ranks
-        num_kv_blocks = num_blocks_for_memory(memory, shard, bs, spec)
+        num_kv_blocks = num_blocks_for_memory(memory, shard, bs, spec, layout)
         if num_kv_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes holds no block of "
-                             f"{per_token * bs} bytes")
-    capacity = num_kv_blocks * bs
+                             f"{slot_bytes_per_token(shard, spec, layout) * bs} bytes")
+    capacity = layout.max_tokens(num_kv_blocks, bs, chunk)
     max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = min(model_limit, capacity)
+        if max_model_len < 1:
+            raise ValueError(f"{num_kv_blocks} KV blocks hold no sequence of the model's "
+                             f"{len(layout.groups)} KV groups; raise kv_cache_memory")
     elif max_model_len > capacity:
         raise ValueError(
-            f"max_model_len={max_model_len} needs {cdiv(max_model_len, bs)} KV blocks but the "
-            f"cache has {num_kv_blocks}; lower max_model_len or raise kv_cache_memory")
+            f"max_model_len={max_model_len} needs "
+            f"{layout.blocks_per_seq(max_model_len, bs, chunk)} KV blocks but the cache has "
+            f"{num_kv_blocks}; lower max_model_len or raise kv_cache_memory")
     num_swap_blocks = 0
     if args.preemption_mode == "swap":
-        num_swap_blocks = int(args.swap_space * 2**30) // (per_token * bs)
-    return KVSizing(num_kv_blocks, max_model_len, num_swap_blocks, per_token)
+        num_swap_blocks = int(args.swap_space * 2**30) // (
+            slot_bytes_per_token(shard, spec, layout) * bs)
+    return KVSizing(num_kv_blocks, max_model_len, num_swap_blocks, per_token, layout)
 
 
 def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torch.dtype,
@@ -144,7 +163,8 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
     sizing = size_kv_cache(args, local_config(cfg, tp), spec, model_limit, device, local_ranks)
     options = ShardOptions(str(source.path), str(dtype).removeprefix("torch."), str(device),
                            args.quantization, spec.name, sizing.num_kv_blocks, args.block_size,
-                           sizing.num_swap_blocks, sizing.max_model_len)
+                           sizing.num_swap_blocks, sizing.max_model_len,
+                           not args.disable_hybrid_kv_cache_manager)
     if driver is not None:
         driver.send(options)
         tp = device_group(tp, options.device)
@@ -160,9 +180,34 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
         options.dtype, f" ({args.quantization} linear layers)" if args.quantization else "",
         device, time.perf_counter() - t0)
     blocks, bs, max_len = sizing.num_kv_blocks, args.block_size, sizing.max_model_len
-    logger.info(
-        "KV cache: %d bytes per token (%s), %d blocks of %d tokens (%.2f GiB), capacity %d "
-        "tokens, max concurrency %.2fx at max_model_len=%d", sizing.kv_bytes_per_token,
-        spec.name, blocks, bs, getattr(runner, "runner", runner).kv_cache.nbytes / 2**30,
-        blocks * bs, blocks * bs / max_len, max_len)
+    gib = getattr(runner, "runner", runner).kv_cache.nbytes / 2**30
+    if sizing.layout.is_hybrid:
+        logger.info("KV cache: %d bytes per token in every layer (%s), %d blocks of %d tokens "
+                    "(%.2f GiB); %s", sizing.kv_bytes_per_token, spec.name, blocks, bs, gib,
+                    describe_kv_groups(sizing.layout, sizing.kv_bytes_per_token, blocks, bs,
+                                       max_len))
+    else:
+        logger.info(
+            "KV cache: %d bytes per token (%s), %d blocks of %d tokens (%.2f GiB), capacity %d "
+            "tokens, max concurrency %.2fx at max_model_len=%d", sizing.kv_bytes_per_token,
+            spec.name, blocks, bs, gib, blocks * bs, blocks * bs / max_len, max_len)
     return runner, sizing
+
+
+def describe_kv_groups(layout: KVLayout, bytes_per_token: int, num_blocks: int,
+                       block_size: int, max_len: int) -> str:
+    """One line on the KV groups of a model with sliding-window layers: what a block holds
+    and what a sequence of max_model_len tokens holds when decoding."""
+    kinds: dict[int | None, list[int]] = {}
+    for g in layout.groups:
+        kinds.setdefault(g.window, []).append(len(g.layers))
+    parts = [f"{len(sizes)} {'full-attention' if w is None else f'sliding-window ({w})'} "
+             f"group{'s' if len(sizes) > 1 else ''} of {max(sizes)} "
+             f"layer{'s' if max(sizes) > 1 else ''}" for w, sizes in kinds.items()]
+    held = layout.blocks_per_seq(max_len, block_size, 1)
+    full = len(layout.groups) * cdiv(max_len, block_size)
+    per_layer = bytes_per_token // sum(len(g.layers) for g in layout.groups)
+    return (f"KV groups: {', '.join(parts)}, a block holds {layout.slots} layers "
+            f"({per_layer * layout.slots} bytes per token slot); a {max_len}-token sequence "
+            f"(max_model_len) holds {held} blocks while decoding ({full} with every layer kept "
+            f"whole, {full / held:.2f}x), max concurrency {num_blocks / held:.2f}x")

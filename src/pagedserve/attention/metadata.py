@@ -20,8 +20,9 @@ import torch
 class AttentionGroup:
     """A padded batch of ``num_seqs`` requests attended together.
 
-    Shapes: ``block_ids`` [num_seqs * max_blocks] int64 (each row's block table, padded with
-    block 0); ``seq_lens`` [num_seqs] int64 (cached + new tokens); ``mask`` [num_seqs, 1,
+    Shapes: ``block_ids`` one tensor per KV group, [num_seqs * max_blocks] int64 (each row's
+    block table in that group, padded with block 0; a window group's null entries read block
+    0 too, which its window mask hides); ``seq_lens`` [num_seqs] int64 (cached + new tokens); ``mask`` [num_seqs, 1,
     G * max_query_len, max_blocks * block_size] bool (for a decode group [num_seqs, 1, 1, ...],
     broadcast over the G rows); ``query_index``
     [num_seqs, max_query_len] int64 into the group's tokens and ``output_index``
@@ -34,7 +35,7 @@ class AttentionGroup:
     num_tokens: int
     max_blocks: int
     max_query_len: int
-    block_ids: torch.Tensor
+    block_ids: list[torch.Tensor]
     seq_lens: torch.Tensor
     mask: torch.Tensor
     query_index: torch.Tensor | None
@@ -66,14 +67,15 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
-    """Shapes: ``slot_mapping`` [num_tokens] int64, the cache row each new token's K/V go to.
+    """Shapes: ``slot_mapping`` one tensor per KV group, [num_tokens] int64: the cache row
+    each new token's K/V go to in that group's layers.
     ``k_workspace``/``v_workspace`` [rows, block_size, num_kv_heads, head_dim]: reusable buffers
     the K/V of a group are gathered into, in the model's dtype (allocated once, reused by every
     layer and step). When the cache stores another dtype, ``raw_workspace`` (same shape, the
     cache's dtype) and, for an 8-bit cache, ``scale_workspace`` [rows, block_size,
     num_kv_heads] receive the gathered blocks before they are converted."""
 
-    slot_mapping: torch.Tensor
+    slot_mapping: list[torch.Tensor]
     groups: list[AttentionGroup]
     k_workspace: torch.Tensor
     v_workspace: torch.Tensor
@@ -90,15 +92,19 @@ def _pad_block_ids(block_tables: list[list[int]]) -> tuple[int, list[int]]:
     return max_blocks, flat
 
 
-def build_group(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                block_size: int, num_queries_per_kv: int, device: torch.device) -> AttentionGroup:
+def build_group(query_lens: list[int], seq_lens: list[int],
+                block_tables: list[list[list[int]]], block_size: int, num_queries_per_kv: int,
+                device: torch.device) -> AttentionGroup:
     """Metadata of one padded group. ``seq_lens[i]`` counts request i's tokens including the
     ``query_lens[i]`` new ones; its queries sit at positions ``seq_lens[i] - query_lens[i] ...``.
+    ``block_tables[g][i]``: request i's table in KV group g (all of one length per request).
     """
     num_seqs = len(query_lens)
-    max_blocks, flat = _pad_block_ids(block_tables)
+    block_ids = []
+    for tables in block_tables:
+        max_blocks, flat = _pad_block_ids(tables)
+        block_ids.append(torch.tensor(flat, dtype=torch.int64, device=device).clamp_(min=0))
     max_len = max_blocks * block_size
-    block_ids = torch.tensor(flat, dtype=torch.int64, device=device)
     key_pos = torch.arange(max_len, device=device)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     max_query_len = max(query_lens)

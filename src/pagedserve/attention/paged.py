@@ -57,8 +57,9 @@ def _attend_group(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
     n_q = num_heads // num_kv_heads
     b, qlen, max_len = g.num_seqs, g.max_query_len, g.max_blocks * block_size
     rows = b * g.max_blocks
-    k = _gather(cache.k, cache.k_scale, cache, g.block_ids, md.k_workspace[:rows], md)
-    v = _gather(cache.v, cache.v_scale, cache, g.block_ids, md.v_workspace[:rows], md)
+    ids = g.block_ids[cache.group]
+    k = _gather(cache.k, cache.k_scale, cache, ids, md.k_workspace[:rows], md)
+    v = _gather(cache.v, cache.v_scale, cache, ids, md.v_workspace[:rows], md)
     k = k.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
     mask = g.window_mask(window)
@@ -86,7 +87,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     Returns:
         [num_tokens, num_heads, head_dim], in the token order of ``q``.
     """
-    write_kv(k, v, cache, md.slot_mapping)
+    write_kv(k, v, cache, md.slot_mapping[cache.group])
     if len(md.groups) == 1:
         return _attend_group(q, cache, md.groups[0], md, scale, window)
     outs, start = [], 0
@@ -109,7 +110,8 @@ def paged_attention_fused(q: torch.Tensor, cache: LayerKVCache, md: AttentionMet
         start += g.num_tokens
         if g.query_index is None:
             outs.append(ops.paged_decode_attention(
-                gq, cache.k, cache.v, g.block_ids.view(g.num_seqs, g.max_blocks), g.seq_lens,
+                gq, cache.k, cache.v, g.block_ids[cache.group].view(g.num_seqs, g.max_blocks),
+                g.seq_lens,
                 scale, out_dtype, window or 0))
         else:
             outs.append(_attend_group(gq, cache, g, md, scale, window).to(out_dtype))

@@ -2,9 +2,17 @@
 
 - Allocation: a sequence holds ``ceil(tokens computed after this step / block_size)`` blocks,
   taken as it grows (never reserved to max length) and returned tail first.
+- KV groups (kv/spec.py ``KVLayout``): a hybrid model's layers form groups, each with its own
+  block table per sequence, all drawing on one pool. Tables are indexed by position (entry i
+  covers tokens ``i * block_size ..``). A sliding-window group's table keeps only the blocks
+  its window still reaches: once a sequence's computed tokens pass a block by the window, the
+  block returns to the pool and its entry becomes ``NULL_BLOCK`` (vLLM's hybrid KV cache
+  manager). A model with one kind of attention has one group: plain PagedAttention.
 - Prefix caching: a new (or recomputed) sequence first reuses the longest chain of cached full
   blocks of its tokens, capped so the last prompt token is always computed; full blocks are
-  registered in the cache as soon as their tokens are scheduled.
+  registered in the cache (per group) as soon as their tokens are scheduled. A hit of P blocks
+  needs every full-attention group's first P blocks and every window group's blocks that the
+  window of position ``P * block_size`` reaches (the rest of that group's entries are null).
 - Forks (parallel sampling, beam search; sec. 4.4): a child takes a reference on every block of
   its parent. A sequence about to write into a block held by others gets its own copy first
   (copy-on-write); the copy is recorded as (src, dst) for the runner to perform.
@@ -18,19 +26,28 @@ from collections import Counter
 from collections.abc import Iterable
 
 from pagedserve.core.block_pool import BlockPool, hash_block
+from pagedserve.kv.spec import NULL_BLOCK, cdiv
 from pagedserve.sequence import Sequence
 
+__all__ = ["NULL_BLOCK", "BlockManager", "ContiguousBlockManager", "cdiv"]
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# Prefix hits: one list of blocks per KV group, all of the same length (no hit: []).
+Hits = list[list[int]]
+
+
+def _live(table: list[int]) -> list[int]:
+    return [b for b in table if b != NULL_BLOCK]
 
 
 class BlockManager:
-    """Allocates, shares, copies, swaps and frees the blocks of each sequence's block table."""
+    """Allocates, shares, copies, swaps and frees the blocks of each sequence's block tables
+    (one per KV group; ``windows[g]``: group g's sliding window, None for full attention)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0):
+                 num_swap_blocks: int = 0, windows: tuple[int | None, ...] = (None,)):
         self.block_size = block_size
+        self.windows = tuple(windows)
+        self.windowed = [g for g, w in enumerate(self.windows) if w is not None]
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
         self.num_swapped_out_blocks = 0
@@ -44,6 +61,15 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @staticmethod
+    def hit_blocks(hits: Hits) -> int:
+        """Blocks of the prefix a hit covers (the same in every group)."""
+        return len(hits[0]) if hits else 0
+
+    def first_needed(self, window: int, position: int) -> int:
+        """First block a window group needs for queries at ``position`` and later."""
+        return max(0, position - window + 1) // self.block_size
+
     # ---- prefix caching -------------------------------------------------------------------
 
     def _update_hashes(self, seq: Sequence) -> None:
@@ -54,120 +80,175 @@ class BlockManager:
             parent = hashes[-1] if hashes else seq.request.root_hash
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of ``seq``'s tokens (none when caching is
-        off, the sequence already has blocks, or its request wants prompt logprobs, which
-        need every position computed). Changes nothing."""
-        if not self.pool.enable_caching or seq.block_table or seq.num_computed_tokens \
+    def find_cached_prefix(self, seq: Sequence) -> Hits:
+        """Cached blocks (per group) holding the longest prefix of ``seq``'s tokens (none when
+        caching is off, the sequence already has blocks, or its request wants prompt logprobs,
+        which need every position computed). Changes nothing."""
+        if not self.pool.enable_caching or seq.block_tables or seq.num_computed_tokens \
                 or seq.request.prompt_logprobs is not None:
             return []
         self._update_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is computed
+        lookup = self.pool.lookup
+        hashes = seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]  # last is computed
+        found: list[list[int | None]] = [[] for _ in self.windows]
+        limit = len(hashes)
+        # full-attention groups first: a miss ends their prefix, which bounds the rest
+        for g in sorted(range(len(self.windows)), key=lambda g: self.windows[g] is not None):
+            for h in hashes[:limit]:
+                b = lookup((g, h))
+                if b is None and self.windows[g] is None:
+                    break
+                found[g].append(b)
+            if self.windows[g] is None:
+                limit = len(found[g])
+        def window_holds(num: int) -> bool:  # every window group has what position needs
+            return all(None not in found[g][self.first_needed(self.windows[g],
+                                                              num * self.block_size):num]
+                       for g in self.windowed)
+
+        num = next((n for n in range(limit, 0, -1) if window_holds(n)), 0)
+        if num == 0:
+            return []
         hits = []
-        for h in seq.block_hashes[:max_blocks]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
+        for g, w in enumerate(self.windows):
+            first = 0 if w is None else self.first_needed(w, num * self.block_size)
+            hits.append([NULL_BLOCK] * first + found[g][first:num])
         return hits
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
-        full = min(num_tokens // self.block_size, len(seq.block_table))
+        full = min(num_tokens // self.block_size, len(seq.block_tables[0]))
         if full <= seq.num_cached_blocks:
             return
         self._update_hashes(seq)
-        for i in range(seq.num_cached_blocks, full):
-            self.pool.cache_block(seq.block_table[i], seq.block_hashes[i])
+        for g, table in enumerate(seq.block_tables):
+            for i in range(seq.num_cached_blocks, full):
+                if table[i] != NULL_BLOCK:
+                    self.pool.cache_block(table[i], (g, seq.block_hashes[i]))
         seq.num_cached_blocks = full
 
     # ---- allocation -----------------------------------------------------------------------
 
-    def _needs_copy(self, seq: Sequence) -> bool:
+    def _needs_copy(self, seq: Sequence, table: list[int]) -> bool:
         """The next token goes into a partly filled block that others also hold."""
         return (seq.num_computed_tokens % self.block_size != 0
-                and self.pool.ref_cnt[seq.block_table[-1]] > 1)
+                and self.pool.ref_cnt[table[-1]] > 1)
 
-    def can_allocate(self, items: Iterable[tuple[Sequence, int, list[int]]]) -> bool:
+    def can_allocate(self, items: Iterable[tuple[Sequence, int, Hits]]) -> bool:
         """Whether every (sequence, new tokens, prefix hits) can get its blocks at once. Hits
         that are cached but free are not counted as free: an allocation never evicts its own
         hits."""
         needed, evictable_hits = 0, set()
         for seq, n, hits in items:
-            computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
-            held = len(hits) if hits else len(seq.block_table)
-            needed += max(0, cdiv(computed + n, self.block_size) - held)
-            if not hits and seq.block_table and self._needs_copy(seq):
-                needed += 1
-            evictable_hits.update(b for b in hits if self.pool.ref_cnt[b] == 0)
+            if hits:
+                total = self.hit_blocks(hits) * self.block_size + n
+                needed += len(self.windows) * cdiv(total, self.block_size) - sum(map(len, hits))
+                evictable_hits.update(b for h in hits for b in h
+                                      if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
+            elif not seq.block_tables:
+                needed += len(self.windows) * cdiv(seq.num_computed_tokens + n, self.block_size)
+            else:
+                want = cdiv(seq.num_computed_tokens + n, self.block_size)
+                for table in seq.block_tables:
+                    needed += max(0, want - len(table)) + self._needs_copy(seq, table)
         return needed <= self.pool.num_free_blocks - len(evictable_hits)
 
-    def allocate(self, seq: Sequence, n: int, hits: list[int],
+    def allocate(self, seq: Sequence, n: int, hits: Hits,
                  copies: list[tuple[int, int]]) -> None:
-        """Give ``seq`` the blocks for ``n`` more tokens, after taking ``hits`` as its first
-        blocks (prefix-cache hits: ``num_computed_tokens`` jumps past them). Copy-on-write
-        pairs are appended to ``copies``. Call ``can_allocate`` first; raises RuntimeError if
-        the pool runs out."""
+        """Give ``seq`` the blocks for ``n`` more tokens in every group, after taking
+        ``hits`` as its first blocks (prefix-cache hits: ``num_computed_tokens`` jumps past
+        them). Copy-on-write pairs are appended to ``copies``. Call ``can_allocate`` first;
+        raises RuntimeError if the pool runs out."""
         if hits:
-            self.pool.touch(hits)
-            seq.block_table = list(hits)
-            seq.num_computed_tokens = len(hits) * self.block_size
-            seq.num_cached_blocks = len(hits)
-        elif seq.block_table and self._needs_copy(seq):
-            (new,) = self.pool.allocate(1)
-            copies.append((seq.block_table[-1], new))
-            self.pool.free([seq.block_table[-1]])
-            seq.block_table[-1] = new
+            for h in hits:
+                self.pool.touch(_live(h))
+            seq.block_tables = [list(h) for h in hits]
+            seq.num_computed_tokens = self.hit_blocks(hits) * self.block_size
+            seq.num_cached_blocks = self.hit_blocks(hits)
+        elif not seq.block_tables:
+            seq.block_tables = [[] for _ in self.windows]
+        else:
+            for table in seq.block_tables:
+                if self._needs_copy(seq, table):
+                    (new,) = self.pool.allocate(1)
+                    copies.append((table[-1], new))
+                    self.pool.free([table[-1]])
+                    table[-1] = new
         total = seq.num_computed_tokens + n
-        missing = cdiv(total, self.block_size) - len(seq.block_table)
-        if missing > 0:
-            seq.block_table.extend(self.pool.allocate(missing))
+        want = cdiv(total, self.block_size)
+        for table in seq.block_tables:
+            if want > len(table):
+                table.extend(self.pool.allocate(want - len(table)))
         self._cache_full_blocks(seq, total)
+
+    def slide(self, seq: Sequence) -> None:
+        """Return the blocks of ``seq``'s window groups that no query from its next token on
+        can reach (their entries become ``NULL_BLOCK``). Called when its computed tokens
+        advance, so that every table is as short as its window allows when the next step is
+        planned."""
+        if not self.windowed or not seq.block_tables:
+            return
+        for g in self.windowed:
+            table = seq.block_tables[g]
+            first = min(self.first_needed(self.windows[g], seq.num_computed_tokens),
+                        len(table))
+            gone = [b for b in table[:first] if b != NULL_BLOCK]
+            if gone:
+                self.pool.free(gone[::-1])
+                table[:first] = [NULL_BLOCK] * first
 
     def forget_uncomputed(self, seq: Sequence) -> None:
         """Drop the prefix-cache hashes of ``seq``'s blocks past its computed tokens (those
         registered when this step was scheduled): after a failed step their K/V were never
         written, so no later request may hit them."""
         first = seq.num_computed_tokens // self.block_size
-        for b in seq.block_table[first:]:
-            self.pool.forget(b)
+        for table in seq.block_tables:
+            for b in _live(table[first:]):
+                self.pool.forget(b)
         seq.num_cached_blocks = min(seq.num_cached_blocks, first)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (one more reference each)."""
-        self.pool.touch(parent.block_table)
-        child.block_table = list(parent.block_table)
+        for table in parent.block_tables:
+            self.pool.touch(_live(table))
+        child.block_tables = [list(t) for t in parent.block_tables]
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Return all of a sequence's blocks, tail first, and empty its block table."""
-        self.pool.free(seq.block_table[::-1])
-        seq.block_table = []
+        """Return all of a sequence's blocks, tail first, and empty its block tables."""
+        for table in seq.block_tables:
+            self.pool.free(_live(table)[::-1])
+        seq.block_tables = []
         seq.num_cached_blocks = 0
-        if seq.swap_table:
-            self.swap_pool.free(seq.swap_table[::-1])
-            seq.swap_table = []
+        if seq.swap_tables:
+            for table in seq.swap_tables:
+                self.swap_pool.free(_live(table)[::-1])
+            seq.swap_tables = []
 
     # ---- swap -----------------------------------------------------------------------------
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
         """Move the sequences' blocks to the host pool. Returns (device, host) block pairs to
         copy, or None (nothing changed) when the host pool is too small."""
-        distinct = list(dict.fromkeys(b for s in seqs for b in s.block_table))
+        distinct = list(dict.fromkeys(b for s in seqs for t in s.block_tables for b in _live(t)))
         if self.swap_pool is None or len(distinct) > self.swap_pool.num_free_blocks:
             return None
         host = dict(zip(distinct, self.swap_pool.allocate(len(distinct))))
+        host[NULL_BLOCK] = NULL_BLOCK
         for s in seqs:
-            s.swap_table = [host[b] for b in s.block_table]
+            s.swap_tables = [[host[b] for b in t] for t in s.block_tables]
         for s in seqs:  # a host block held by k sequences gets ref count k
-            self.swap_pool.touch(s.swap_table)
+            for t in s.swap_tables:
+                self.swap_pool.touch(_live(t))
+        del host[NULL_BLOCK]
         self.swap_pool.free(list(host.values()))
         for s in seqs:
-            self.pool.free(s.block_table[::-1])
-            s.block_table = []
+            for t in s.block_tables:
+                self.pool.free(_live(t)[::-1])
+            s.block_tables = []
             s.num_cached_blocks = 0
         self.num_swapped_out_blocks += len(distinct)
         return list(host.items())
@@ -175,33 +256,41 @@ class BlockManager:
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Room for the swapped blocks plus what the request's next step needs: blocks for
         its uncomputed tokens and the copy-on-write copies of shared, partly filled last
-        blocks. Exact, so that a request that fits the empty pool (``_check_fits``) always
+        blocks. Exact, so that a request that fits the empty pool (``check_fits``) always
         comes back once the pool is empty."""
-        distinct = set(b for s in seqs for b in s.swap_table)
+        distinct = set(b for s in seqs for t in s.swap_tables for b in _live(t))
         needed = len(distinct)
-        last_holders = Counter(s.swap_table[-1] for s in seqs if s.swap_table)
-        for s in seqs:
-            needed += max(0, cdiv(s.num_tokens, self.block_size) - len(s.swap_table))
-        for s in seqs:
-            if s.swap_table and s.num_computed_tokens % self.block_size:
-                # of h sequences writing into one shared partial block, h - 1 copy it
-                needed += last_holders[s.swap_table[-1]] > 1
-                last_holders[s.swap_table[-1]] -= 1
+        for g in range(len(self.windows)):
+            tables = [s.swap_tables[g] for s in seqs if s.swap_tables]
+            last_holders = Counter(t[-1] for t in tables if t)
+            for s in seqs:
+                if not s.swap_tables:
+                    continue
+                t = s.swap_tables[g]
+                needed += max(0, cdiv(s.num_tokens, self.block_size) - len(t))
+                if t and s.num_computed_tokens % self.block_size:
+                    # of h sequences writing into one shared partial block, h - 1 copy it
+                    needed += last_holders[t[-1]] > 1
+                    last_holders[t[-1]] -= 1
         return needed <= self.pool.num_free_blocks
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Bring swapped sequences back into free device blocks. Returns (host, device) pairs
         to copy. Call ``can_swap_in`` first."""
-        distinct = list(dict.fromkeys(b for s in seqs for b in s.swap_table))
+        distinct = list(dict.fromkeys(b for s in seqs for t in s.swap_tables for b in _live(t)))
         device = dict(zip(distinct, self.pool.allocate(len(distinct))))
+        device[NULL_BLOCK] = NULL_BLOCK
         for s in seqs:
-            s.block_table = [device[b] for b in s.swap_table]
+            s.block_tables = [[device[b] for b in t] for t in s.swap_tables]
         for s in seqs:
-            self.pool.touch(s.block_table)
+            for t in s.block_tables:
+                self.pool.touch(_live(t))
+        del device[NULL_BLOCK]
         self.pool.free(list(device.values()))
         for s in seqs:
-            self.swap_pool.free(s.swap_table[::-1])
-            s.swap_table = []
+            for t in s.swap_tables:
+                self.swap_pool.free(_live(t)[::-1])
+            s.swap_tables = []
         self.num_swapped_in_blocks += len(distinct)
         return list(device.items())
 
@@ -234,13 +323,15 @@ class ContiguousBlockManager(BlockManager):
                 return start
         return None
 
-    def can_allocate(self, items: Iterable[tuple[Sequence, int, list[int]]]) -> bool:
+    def can_allocate(self, items: Iterable[tuple[Sequence, int, Hits]]) -> bool:
         runs = list(self.free_runs)
         return all(seq.seq_id in self.reservations or self._first_fit(runs) is not None
                    for seq, _, _ in items)
 
-    def allocate(self, seq: Sequence, n: int, hits: list[int],
+    def allocate(self, seq: Sequence, n: int, hits: Hits,
                  copies: list[tuple[int, int]]) -> None:
+        if not seq.block_tables:
+            seq.block_tables = [[]]
         if seq.seq_id not in self.reservations:
             start = self._first_fit(self.free_runs)
             if start is None:

@@ -127,7 +127,8 @@ class BlockPool:
         refs = [0] * self.num_blocks
         for table in block_tables:
             for b in table:
-                refs[b] += 1
+                if b >= 0:  # a window group's null entries hold nothing
+                    refs[b] += 1
         for b in range(self.num_blocks):
             assert self.ref_cnt[b] >= 0, f"block {b} has negative ref count {self.ref_cnt[b]}"
             assert self.ref_cnt[b] == refs[b], (

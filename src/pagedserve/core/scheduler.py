@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pagedserve.config import SchedulerConfig
-from pagedserve.core.block_manager import BlockManager, cdiv
+from pagedserve.core.block_manager import NULL_BLOCK, BlockManager, cdiv
 from pagedserve.sequence import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -99,10 +99,11 @@ class Scheduler:
         next step can admit: in queue order, while a seat is free and the free KV blocks hold
         their tokens (on a CPU the cache, not the seats, is what usually runs out)."""
         seats = max(0, self.config.max_num_seqs - self.num_seats())
-        blocks, size = self.block_manager.num_free_blocks, self.block_manager.block_size
+        bm = self.block_manager
+        blocks, groups = bm.num_free_blocks, len(bm.windows)
         admitted = 0
         for request in self.waiting:
-            need = sum(cdiv(seq.num_tokens, size) for seq in request.live_seqs)
+            need = sum(groups * cdiv(seq.num_tokens, bm.block_size) for seq in request.live_seqs)
             if admitted == seats or need > blocks:
                 break
             blocks -= need
@@ -120,7 +121,7 @@ class Scheduler:
             if budget <= 0:
                 break
             hits = bm.find_cached_prefix(seq)
-            start = len(hits) * bm.block_size if hits else seq.num_computed_tokens
+            start = bm.hit_blocks(hits) * bm.block_size if hits else seq.num_computed_tokens
             left = seq.num_tokens - start
             n = min(left, budget)
             cap = self.config.long_prefill_token_threshold
@@ -140,11 +141,12 @@ class Scheduler:
         for seq, n, hits in items:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-            if hits or (seq.num_computed_tokens == 0 and not seq.block_table):
+            if hits or (seq.num_computed_tokens == 0 and not seq.block_tables):
+                hit_tokens = self.block_manager.hit_blocks(hits) * self.block_manager.block_size
                 self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += len(hits) * self.block_manager.block_size
+                self.prefix_cache_hits += hit_tokens
                 if seq.request.metrics.num_preemptions == 0 and seq.index == 0:
-                    seq.request.num_cached_tokens = len(hits) * self.block_manager.block_size
+                    seq.request.num_cached_tokens = hit_tokens
             self.block_manager.allocate(seq, n, hits, out.blocks_to_copy)
             out.scheduled.append(ScheduledChunk(seq, n))
 
@@ -266,9 +268,16 @@ class Scheduler:
         """Assert the block pools agree with the live sequences' block tables."""
         requests = [*self.running, *self.waiting, *self.swapped]
         seqs = [q for r in requests for q in r.seqs if not q.is_finished]
-        self.block_manager.pool.check_invariants([q.block_table for q in seqs])
-        if self.block_manager.swap_pool is not None:
-            self.block_manager.swap_pool.check_invariants([q.swap_table for q in seqs])
+        bm = self.block_manager
+        bm.pool.check_invariants([t for q in seqs for t in q.block_tables])
+        if bm.swap_pool is not None:
+            bm.swap_pool.check_invariants([t for q in seqs for t in q.swap_tables])
+        for q in seqs:  # a window group holds only the blocks its window reaches
+            for g in bm.windowed:
+                table = q.block_tables[g] if q.block_tables else []
+                first = min(bm.first_needed(bm.windows[g], q.num_computed_tokens), len(table))
+                assert all(b == NULL_BLOCK for b in table[:first]), (
+                    f"sequence {q.seq_id}: group {g} holds blocks its window passed")
 
     # ---- after the forward pass: the one writer of request progress -----------------------
 
@@ -276,6 +285,7 @@ class Scheduler:
         """The scheduled tokens are computed: advance each sequence past them."""
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
+            self.block_manager.slide(seq)
 
     def fork_parallel(self, rows: list[tuple[Sequence, int]], new_sequence: NewSequence,
                       fail: Fail) -> list[tuple[Sequence, int]]:

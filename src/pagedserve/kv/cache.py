@@ -4,7 +4,9 @@ Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM's, 
 inside a block), so that viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]`` a
 token's slot is a row index: writes go through ``slot_mapping`` with one ``index_copy_``, and a
 block table gathers whole blocks whose rows are already in position order. All layers live in
-one allocation ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. It starts
+one allocation ``[slots, 2, num_blocks, block_size, num_kv_heads, head_dim]``: a block holds
+``slots`` layers (kv/spec.py ``KVLayout``: every layer for a model with one kind of attention;
+one KV group's layers for a hybrid model, whose groups each map their own blocks). It starts
 zeroed so that never-written slots hold finite values (a masked score's zero weight times a
 NaN would still be NaN). On CPU the zeros come from a private anonymous mapping advised for
 transparent huge pages (calloc through numpy where that is not available), so the OS commits
@@ -52,11 +54,19 @@ def kv_bytes_per_token(model: ModelConfig, spec: KVCacheSpec) -> int:
                                       model.head_dim, spec.element_bytes, spec.scale_bytes)
 
 
+def slot_bytes_per_token(model: ModelConfig, spec: KVCacheSpec, layout: kv_spec.KVLayout) -> int:
+    """Bytes one token's slot of a block costs: ``layout.slots`` layers' K/V, scales included
+    (``kv_bytes_per_token`` for a model with one kind of attention)."""
+    return kv_spec.kv_bytes_per_token(layout.slots, model.num_key_value_heads, model.head_dim,
+                                      spec.element_bytes, spec.scale_bytes)
+
+
 def num_blocks_for_memory(kv_cache_memory: int, model: ModelConfig, block_size: int,
-                          spec: KVCacheSpec) -> int:
+                          spec: KVCacheSpec, layout: kv_spec.KVLayout) -> int:
     """How many blocks fit in ``kv_cache_memory`` bytes (``kv.spec``'s rule, which
     ``pagedserve plan`` uses too)."""
-    return kv_spec.num_blocks(kv_cache_memory, kv_bytes_per_token(model, spec), block_size)
+    return kv_spec.num_blocks(kv_cache_memory, slot_bytes_per_token(model, spec, layout),
+                              block_size)
 
 
 HUGE_PAGE = 2 << 20  # bytes: the x86-64 transparent huge page
@@ -105,13 +115,15 @@ def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tor
 class LayerKVCache:
     """One layer's view of the cache: ``k``/``v`` [num_blocks, block_size, num_kv_heads,
     head_dim] of ``spec.storage_dtype``; for an 8-bit cache ``k_scale``/``v_scale``
-    [num_blocks, block_size, num_kv_heads] bfloat16, else None."""
+    [num_blocks, block_size, num_kv_heads] bfloat16, else None. ``group``: the KV group whose
+    block tables (and slot mapping) address this layer's blocks."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     spec: KVCacheSpec
+    group: int = 0
 
 
 class KVCache:
@@ -121,11 +133,13 @@ class KVCache:
     cache is on CUDA."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
-                 spec: KVCacheSpec, device: torch.device, num_swap_blocks: int = 0):
+                 spec: KVCacheSpec, device: torch.device, num_swap_blocks: int = 0,
+                 layout: kv_spec.KVLayout | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.spec = spec
-        shape = (model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
+        self.layout = layout = layout or kv_spec.kv_layout([None] * model.num_hidden_layers)
+        shape = (layout.slots, 2, num_blocks, block_size, model.num_key_value_heads,
                  model.head_dim)
         swap_shape = (*shape[:2], num_swap_blocks, *shape[3:])
         pinned = device.type == "cuda"
@@ -135,18 +149,20 @@ class KVCache:
         if spec.quantized:
             self.scales = _zeros(shape[:-1], SCALE_DTYPE, device, huge_pages=True)
             self.swap_scales = _host_zeros(swap_shape[:-1], SCALE_DTYPE, pinned)
-        self.layers = [
-            LayerKVCache(self.kv[i, 0], self.kv[i, 1],
-                         None if self.scales is None else self.scales[i, 0],
-                         None if self.scales is None else self.scales[i, 1], spec)
-            for i in range(model.num_hidden_layers)
-        ]
+        self.layers = []
+        for layer in range(model.num_hidden_layers):
+            g, i = layout.layer_slot(layer)
+            self.layers.append(LayerKVCache(
+                self.kv[i, 0], self.kv[i, 1], None if self.scales is None else self.scales[i, 0],
+                None if self.scales is None else self.scales[i, 1], spec, g))
 
     @classmethod
     def allocate(cls, model: ModelConfig, num_blocks: int, block_size: int, spec: KVCacheSpec,
-                 device: torch.device, num_swap_blocks: int = 0) -> KVCache:
+                 device: torch.device, num_swap_blocks: int = 0,
+                 layout: kv_spec.KVLayout | None = None) -> KVCache:
         """Allocate after checking the memory exists. Raises ValueError naming the sizes."""
-        block_bytes = kv_bytes_per_token(model, spec) * block_size
+        layout = layout or kv_spec.kv_layout([None] * model.num_hidden_layers)
+        block_bytes = slot_bytes_per_token(model, spec, layout) * block_size
         nbytes, swap_bytes = block_bytes * num_blocks, block_bytes * num_swap_blocks
         host = psutil.virtual_memory().available
         device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host
@@ -162,7 +178,7 @@ class KVCache:
                              "available (after the swap space); lower kv_cache_memory or "
                              "num_kv_blocks")
         try:
-            return cls(model, num_blocks, block_size, spec, device, num_swap_blocks)
+            return cls(model, num_blocks, block_size, spec, device, num_swap_blocks, layout)
         except (MemoryError, torch.OutOfMemoryError) as e:
             raise ValueError(f"cannot allocate a KV cache of {nbytes / 2**30:.2f} GiB: {e}") from e
 

@@ -324,7 +324,8 @@ class Attention(nn.Module):
                        kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
         ops, act_dtype = self.kernels.ops, self.kernels.act_dtype
         qkv = self._norm_qk(self.qkv_proj(x))
-        q = ops.rotary_write_kv(qkv, rope[0], rope[1], kv_cache.k, kv_cache.v, md.slot_mapping,
+        q = ops.rotary_write_kv(qkv, rope[0], rope[1], kv_cache.k, kv_cache.v,
+                                md.slot_mapping[kv_cache.group],
                                 self.num_heads, self.num_kv_heads, torch.float32)
         out = paged_attention_fused(q, kv_cache, md, self.scale, ops, act_dtype, self.window)
         out = self.o_proj(out.view(x.shape[0], self.q_size))
