@@ -103,6 +103,8 @@ def test_mistral_sliding_window(tmp_path, cpu_kernels):
     llm, ours = run_engine(path, PROMPTS, cpu_kernels=cpu_kernels, num_kv_blocks=128,
                            block_size=4, max_num_batched_tokens=16)
     assert llm.llm_engine.scheduler_config.max_model_len == 512  # the full context, not 8
+    # one KV group of window 8: a sequence holds at most cdiv(8 + 16 - 1, 4) + 1 blocks
+    assert llm.kv_cache_stats().peak_used_blocks <= 7 * len(PROMPTS)
     for i, (o, r) in enumerate(zip(ours, ref)):
         assert_greedy_match(o, r, PROMPTS[i], hf_logits_fn(model), f"mistral prompt {i}")
 

@@ -100,14 +100,14 @@ class LLMEngine:
         else:
             self.block_manager = BlockManager(blocks, bs, args.enable_prefix_caching,
                                               sizing.num_swap_blocks, sizing.layout.windows)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
-                                   args.preemption_mode)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, args.preemption_mode)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
                                               self.scheduler_config, self.cache_config,
                                               one_sequence=args.kv_allocator == "contiguous")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StatsTracker(self.scheduler, self.block_manager, bs,
-                                  self.kv_bytes_per_token, self.cache_config.debug_checks)
+                                  self.kv_bytes_per_token, self.cache_config.debug_checks,
+                                  self.kv_cache.layout)
         self.sampler = Sampler(kernels.load() if self.device.type == "cpu" else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -94,6 +94,23 @@ class BeamSearchOutput:
 
 
 @dataclass
+class KVGroupStats:
+    """One KV group of layers that share a block table per sequence (kv/spec.py
+    ``KVLayout``): ``window`` (None: full attention; else the sliding window in positions),
+    its ``layers``, ``bytes_per_token`` (what a token's slot of its blocks costs: the layers a
+    block holds, K and V, scales included), and ``num_used_blocks`` in it now."""
+
+    window: int | None
+    layers: tuple[int, ...]
+    bytes_per_token: int
+    num_used_blocks: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+@dataclass
 class KVCacheStats:
     """A snapshot of the paged KV cache.
 
@@ -107,6 +124,10 @@ class KVCacheStats:
     slots holding K/V over slots reserved (allocated blocks when paged, max_model_len runs
     with ``kv_allocator="contiguous"``), summed over steps; ``_at_peak`` at the step with the
     most reserved slots; ``max_num_running`` the most requests in one batch.
+    ``kv_bytes_per_token`` counts every layer; ``kv_groups`` gives each KV group (one for a
+    model with one kind of attention; a hybrid model's sliding-window groups hold only the
+    blocks their window reaches, so a long sequence costs less than ``kv_bytes_per_token``
+    per token).
     """
 
     num_blocks: int
@@ -127,3 +148,4 @@ class KVCacheStats:
     reserved_slot_utilization_at_peak: float = 0.0
     peak_reserved_slots: int = 0
     max_num_running: int = 0
+    kv_groups: list[KVGroupStats] = field(default_factory=list)

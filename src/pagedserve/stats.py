@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from pagedserve.core.block_manager import NULL_BLOCK, BlockManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.outputs import KVCacheStats, RequestMetrics, RequestOutput
+from pagedserve.kv.spec import KVGroupSpec, KVLayout
+from pagedserve.outputs import KVCacheStats, KVGroupStats, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -39,6 +40,7 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    kv_group_used_blocks: list[int] = field(default_factory=list)  # per KV group
     ttfts: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
@@ -47,8 +49,10 @@ class StatsTracker:
     """Counts per step what the KV cache and the batch did."""
 
     def __init__(self, scheduler: Scheduler, block_manager: BlockManager, block_size: int,
-                 kv_bytes_per_token: int, debug_checks: bool = False):
+                 kv_bytes_per_token: int, debug_checks: bool = False,
+                 layout: KVLayout | None = None):
         self.scheduler = scheduler
+        self.layout = layout or KVLayout((KVGroupSpec(None, ()),), 0)
         self.block_manager = block_manager
         self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -142,9 +146,14 @@ class StatsTracker:
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            kv_group_used_blocks=self._group_used_blocks(),
             ttfts=self._ttfts, finished=self._finished)
         self._ttfts, self._finished = [], []
         return stats
+
+    def _group_used_blocks(self) -> list[int]:
+        used = self.block_manager.pool.used_by_tag
+        return [used.get(g, 0) for g in range(len(self.layout.groups))]
 
     def kv_cache_stats(self) -> KVCacheStats:
         bm = self.block_manager
@@ -169,4 +178,12 @@ class StatsTracker:
             reserved_slot_utilization_at_peak=self._peak_reserved[1],
             peak_reserved_slots=self._peak_reserved[0],
             max_num_running=self.max_num_running,
+            kv_groups=self._group_stats(),
         )
+
+    def _group_stats(self) -> list[KVGroupStats]:
+        layout = self.layout
+        num_layers = sum(len(g.layers) for g in layout.groups) or 1
+        slot_bytes = self.kv_bytes_per_token // num_layers * layout.slots
+        return [KVGroupStats(g.window, g.layers, slot_bytes, n)
+                for g, n in zip(layout.groups, self._group_used_blocks())]

@@ -169,17 +169,17 @@ class BlockManager:
         elif not seq.block_tables:
             seq.block_tables = [[] for _ in self.windows]
         else:
-            for table in seq.block_tables:
+            for g, table in enumerate(seq.block_tables):
                 if self._needs_copy(seq, table):
-                    (new,) = self.pool.allocate(1)
+                    (new,) = self.pool.allocate(1, g)
                     copies.append((table[-1], new))
                     self.pool.free([table[-1]])
                     table[-1] = new
         total = seq.num_computed_tokens + n
         want = cdiv(total, self.block_size)
-        for table in seq.block_tables:
+        for g, table in enumerate(seq.block_tables):
             if want > len(table):
-                table.extend(self.pool.allocate(want - len(table)))
+                table.extend(self.pool.allocate(want - len(table), g))
         self._cache_full_blocks(seq, total)
 
     def slide(self, seq: Sequence) -> None:
@@ -277,9 +277,11 @@ class BlockManager:
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Bring swapped sequences back into free device blocks. Returns (host, device) pairs
         to copy. Call ``can_swap_in`` first."""
-        distinct = list(dict.fromkeys(b for s in seqs for t in s.swap_tables for b in _live(t)))
-        device = dict(zip(distinct, self.pool.allocate(len(distinct))))
-        device[NULL_BLOCK] = NULL_BLOCK
+        device = {NULL_BLOCK: NULL_BLOCK}
+        for g in range(len(self.windows)):  # a block belongs to one group: its tag
+            distinct = list(dict.fromkeys(b for s in seqs if s.swap_tables
+                                          for b in _live(s.swap_tables[g])))
+            device.update(zip(distinct, self.pool.allocate(len(distinct), g)))
         for s in seqs:
             s.block_tables = [[device[b] for b in t] for t in s.swap_tables]
         for s in seqs:
@@ -291,7 +293,7 @@ class BlockManager:
             for t in s.swap_tables:
                 self.swap_pool.free(_live(t)[::-1])
             s.swap_tables = []
-        self.num_swapped_in_blocks += len(distinct)
+        self.num_swapped_in_blocks += len(device)
         return list(device.items())
 
 

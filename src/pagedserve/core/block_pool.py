@@ -48,6 +48,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.num_cached_free = 0  # hashed blocks in the free queue
+        # Each block's owner tag (a hybrid model's KV group) and the blocks in use per tag.
+        self.tag = [0] * num_blocks
+        self.used_by_tag: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,9 +65,9 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the front of the free queue (ref count 1 each), evicting their
-        cached content. Raises RuntimeError if fewer are free."""
+    def allocate(self, n: int, tag: int = 0) -> list[int]:
+        """Take ``n`` blocks from the front of the free queue (ref count 1 each, owned by
+        ``tag``), evicting their cached content. Raises RuntimeError if fewer are free."""
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, only {len(self.free_queue)} free")
         blocks = []
@@ -77,7 +80,9 @@ class BlockPool:
                 if self.cached.get(h) == b:
                     del self.cached[h]
             self.ref_cnt[b] = 1
+            self.tag[b] = tag
             blocks.append(b)
+        self.used_by_tag[tag] = self.used_by_tag.get(tag, 0) + n
         return blocks
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -88,6 +93,7 @@ class BlockPool:
                 del self.free_queue[b]
                 if self.block_hash[b] is not None:
                     self.num_cached_free -= 1
+                self.used_by_tag[self.tag[b]] = self.used_by_tag.get(self.tag[b], 0) + 1
             self.ref_cnt[b] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -98,6 +104,7 @@ class BlockPool:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
+                self.used_by_tag[self.tag[b]] -= 1
                 if self.block_hash[b] is not None:
                     self.num_cached_free += 1
 
@@ -140,3 +147,9 @@ class BlockPool:
         assert hashed_free == self.num_cached_free, "cached-block count disagrees"
         num_free = len(self.free_queue) - self.num_cached_free
         assert num_free + self.num_cached_free + self.num_used_blocks == self.num_blocks
+        by_tag: dict[int, int] = {}
+        for b in range(self.num_blocks):
+            if refs[b]:
+                by_tag[self.tag[b]] = by_tag.get(self.tag[b], 0) + 1
+        assert by_tag == {t: n for t, n in self.used_by_tag.items() if n}, (
+            f"blocks in use per tag {self.used_by_tag} but the tables hold {by_tag}")

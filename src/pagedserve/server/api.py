@@ -188,7 +188,7 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
         max_body_bytes: largest request body (413 beyond).
         on_ready: called once the engine thread runs (the CLI prints the URL).
     """
-    metrics = ServerMetrics(served_model_name)
+    metrics = ServerMetrics(served_model_name, engine.kv_cache_stats().kv_groups)
     async_engine = AsyncEngine(engine, max_num_waiting, on_step=metrics.update)
     serving = OpenAIServing(async_engine, served_model_name)
 

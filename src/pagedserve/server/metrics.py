@@ -20,7 +20,7 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
 class ServerMetrics:
     """The gauges, counters and histograms; ``update`` is the AsyncEngine's step hook."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, kv_groups: list | None = None):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
@@ -57,6 +57,16 @@ class ServerMetrics:
                                                _TPOT_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "Arrival to finish.", _LATENCY_BUCKETS)
+        # per KV group (kv_cache_stats().kv_groups): a hybrid model's sliding-window groups
+        # hold only their window's blocks, so their usage differs from the global layers'
+        group_blocks = Gauge("pagedserve:kv_group_used_blocks",
+                             "KV blocks in use per KV group of layers (a block holds "
+                             "kv_cache_stats' layers of its group).",
+                             ["model_name", "group", "attention"], registry=r)
+        self.kv_group_used_blocks = [
+            group_blocks.labels(model_name, str(i), "full" if g.window is None
+                                else f"sliding_window_{g.window}")
+            for i, g in enumerate(kv_groups or [])]
         self._last = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
@@ -70,6 +80,8 @@ class ServerMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        for gauge, used in zip(self.kv_group_used_blocks, stats.kv_group_used_blocks):
+            gauge.set(used)
         self._advance(self.prefix_cache_queries, "queries", stats.prefix_cache_queries)
         self._advance(self.prefix_cache_hits, "hits", stats.prefix_cache_hits)
         self._advance(self.num_preemptions, "preemptions", stats.num_preemptions)
