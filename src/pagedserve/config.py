@@ -102,6 +102,27 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def layer_windows(self) -> list[int | None]:
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]
+
+
+def hf_attention_windows(cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of a transformers config.json dict, as ModelConfig takes
+    them: Qwen 2/3 use their window only with ``use_sliding_window``; a Gemma 3 config
+    without ``layer_types`` (transformers 4.x) makes every ``sliding_window_pattern``-th layer
+    (default 6) global."""
+    archs = cfg.get("architectures") or []
+    sliding = cfg.get("sliding_window")
+    if any(a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") for a in archs) \
+            and not cfg.get("use_sliding_window"):
+        sliding = None
+    layer_types = cfg.get("layer_types")
+    if "Gemma3ForCausalLM" in archs and layer_types is None:
+        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                       for i in range(cfg["num_hidden_layers"])]
+    return sliding, tuple(layer_types) if layer_types else None
+
 
 @dataclass(frozen=True)
 class CacheConfig:

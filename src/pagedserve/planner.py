@@ -8,6 +8,11 @@ real shape, and the one source of the engine's own KV sizing.
     concurrency        = tokens_max / tokens per request
 
 ``scale_bytes`` is 2 for an 8-bit cache (one bfloat16 scale per token and KV head), else 0.
+A model with sliding-window layers (Gemma 3) is paged in KV groups (kv/spec.py ``KVLayout``):
+its window layers hold at most the blocks their window reaches, so a sequence of n tokens
+costs ``blocks_per_seq(n) * bytes per block`` instead of ``n * kv_bytes_per_token``, and its
+concurrency is counted in blocks; the plan shows the saving at the average length and at
+max_model_len.
 Memory is stated in both GB (10**9 bytes) and GiB (2**30 bytes) everywhere. GQA/MQA enter
 through num_kv_heads; an explicit head_dim (not hidden / heads) is honoured. Sources: the
 PagedAttention paper (Kwon et al., SOSP 2023, section 3) for the KV cost and block sizing.
@@ -20,11 +25,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pagedserve.config import DTYPES, KV_CACHE_DTYPES
+from pagedserve.config import DTYPES, KV_CACHE_DTYPES, hf_attention_windows
 from pagedserve.kv.spec import (  # noqa: F401  (the planner's public arithmetic)
     KV_SCALE_BYTES,
     kv_bytes_per_token,
     kv_heads_per_worker,
+    kv_layout,
     kv_scale_bytes,
     num_blocks,
 )
@@ -51,6 +57,7 @@ class ModelShape:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     gated_mlp: bool = True
+    layer_windows: tuple[int | None, ...] | None = None  # per layer; None: all full attention
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -83,7 +90,8 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("mistral-7b", 32, 4096, 32, 8, 128, 32000, 14336, 32768),
     ModelShape("qwen2-7b", 28, 3584, 28, 4, 128, 152064, 18944, 32768),
     ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 49152, 1536, 8192, tie_word_embeddings=True),
-    ModelShape("gemma3-270m", 18, 640, 4, 1, 256, 262144, 2048, 32768, tie_word_embeddings=True),
+    ModelShape("gemma3-270m", 18, 640, 4, 1, 256, 262144, 2048, 32768, tie_word_embeddings=True,
+               layer_windows=tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))),
     ModelShape("opt-13b", 40, 5120, 40, 40, 128, 50272, 20480, 2048, tie_word_embeddings=True,
                gated_mlp=False),
 )}
@@ -110,14 +118,22 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelShape
                              f"num_attention_heads {heads!r} and there is no head_dim")
         head_dim = hidden // heads
     opt = "ffn_dim" in cfg and "intermediate_size" not in cfg
+    layers = need("num_hidden_layers", "n_layer")
+    sliding, layer_types = hf_attention_windows(cfg)
+    if layer_types is not None and len(layer_types) != layers:
+        raise ValueError(f"{name}: layer_types has {len(layer_types)} entries for {layers} "
+                         "layers")
+    windows = tuple(None if layer_types and layer_types[i] != "sliding_attention" else sliding
+                    for i in range(layers)) if sliding else None
     return ModelShape(
-        name=name, num_layers=need("num_hidden_layers", "n_layer"), hidden_size=hidden,
+        name=name, num_layers=layers, hidden_size=hidden,
         num_heads=heads, num_kv_heads=(heads if cfg.get("num_key_value_heads") is None
                                         else cfg["num_key_value_heads"]),
         head_dim=head_dim, vocab_size=need("vocab_size"),
         intermediate_size=need("intermediate_size", "ffn_dim"),
         max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", opt)), gated_mlp=not opt)
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", opt)), gated_mlp=not opt,
+        layer_windows=windows)
 
 
 def shape_from_model_config(cfg: Any, name: str) -> ModelShape:
@@ -125,7 +141,8 @@ def shape_from_model_config(cfg: Any, name: str) -> ModelShape:
     return ModelShape(name, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size,
                       cfg.intermediate_size, cfg.max_position_embeddings,
-                      cfg.tie_word_embeddings)
+                      cfg.tie_word_embeddings,
+                      layer_windows=tuple(cfg.layer_windows()) if cfg.sliding_window else None)
 
 
 def load_shape(model: str) -> ModelShape:
@@ -185,6 +202,19 @@ class Plan:
     tokens_max: int
     concurrency_avg: float
     concurrency_max_model_len: float
+    # KV groups (sliding-window models): what they are, and one sequence's KV bytes at the
+    # average length and at max_model_len, paged by window and with every layer kept whole
+    kv_groups: str = ""
+    kv_bytes_avg: int = 0
+    kv_bytes_avg_full: int = 0
+    kv_bytes_max: int = 0
+    kv_bytes_max_full: int = 0
+
+    @property
+    def kv_bytes_per_token_avg(self) -> float:
+        """KV bytes per token of a sequence of the average length (below kv_bytes_per_token
+        when window layers drop what their window has passed)."""
+        return self.kv_bytes_avg / self.avg_tokens
 
 
 def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf16",
@@ -225,12 +255,38 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
         raise ValueError(
             f"{shape.name}: {_both(memory_bytes)} per worker holds no KV cache: the weights "
             f"take {_both(per_worker)} and the overhead {_both(overhead_bytes)}")
-    blocks = num_blocks(budget, per_token, block_size)
-    tokens = blocks * block_size
+    full_avg = -(-avg_tokens // block_size) * block_size * per_token
+    full_max = -(-max_model_len // block_size) * block_size * per_token
+    if not shape.layer_windows or set(shape.layer_windows) == {None}:
+        blocks = num_blocks(budget, per_token, block_size)
+        tokens = blocks * block_size
+        return Plan(shape.name, memory_bytes, weights_dtype, kv_dtype, tensor_parallel_size,
+                    block_size, avg_tokens, max_model_len, shape.num_params, total, per_worker,
+                    overhead_bytes, per_token, per_token * block_size, budget, blocks, tokens,
+                    tokens / avg_tokens, tokens / max_model_len, "", per_token * avg_tokens,
+                    full_avg, per_token * max_model_len, full_max)
+    # a block holds ``slots`` layers of one KV group; sequences are counted in blocks
+    layout = kv_layout(list(shape.layer_windows))
+    block_bytes = per_token // shape.num_layers * layout.slots * block_size
+    blocks = budget // block_bytes
+    held_avg = layout.blocks_per_seq(avg_tokens, block_size, 1)
+    held_max = layout.blocks_per_seq(max_model_len, block_size, 1)
     return Plan(shape.name, memory_bytes, weights_dtype, kv_dtype, tensor_parallel_size,
                 block_size, avg_tokens, max_model_len, shape.num_params, total, per_worker,
-                overhead_bytes, per_token, per_token * block_size, budget, blocks, tokens,
-                tokens / avg_tokens, tokens / max_model_len)
+                overhead_bytes, per_token, block_bytes, budget, blocks,
+                layout.max_tokens(blocks, block_size, 1), blocks / held_avg, blocks / held_max,
+                describe_groups(layout), held_avg * block_bytes, full_avg,
+                held_max * block_bytes, full_max)
+
+
+def describe_groups(layout: Any) -> str:
+    """"3 full-attention + 15 sliding-window (512) layers in 6 KV groups of 3"."""
+    counts: dict[int | None, int] = {}
+    for g in layout.groups:
+        counts[g.window] = counts.get(g.window, 0) + len(g.layers)
+    kinds = " + ".join(f"{n} {'full-attention' if w is None else f'sliding-window ({w})'}"
+                       for w, n in counts.items())
+    return f"{kinds} layers in {len(layout.groups)} KV groups of {layout.slots}"
 
 
 def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
@@ -260,6 +316,11 @@ def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
                         **{**kwargs, "weight_bytes": base.weight_bytes_total})
         rows.append((f"without GQA ({shape.num_heads} KV heads, not {shape.num_kv_heads})",
                      mha, mha.concurrency_avg))
+    if base.kv_groups:  # what window paging gives: every layer kept whole instead
+        whole = make_plan(replace(shape, layer_windows=None), memory_bytes,
+                          **{**kwargs, "weight_bytes": base.weight_bytes_total})
+        rows.append(("without window paging (every layer's K/V kept whole)", whole,
+                     whole.concurrency_avg))
     for kv in ("fp8", "int8"):
         if kwargs.get("kv_cache_dtype", "auto") != kv:
             p = make_plan(shape, memory_bytes, **{**kwargs, "kv_cache_dtype": kv})
@@ -267,8 +328,15 @@ def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
     if shared_prefix_tokens and num_sharing > 1:
         bs = base.block_size
         shared = (min(shared_prefix_tokens, base.avg_tokens) // bs) * bs  # full blocks only
-        per_group = num_sharing * base.avg_tokens - (num_sharing - 1) * shared
-        conc = base.tokens_max / per_group * num_sharing
+        if base.kv_groups:  # in blocks; only full-attention groups still share the prefix
+            layout = kv_layout(list(shape.layer_windows))
+            full_groups = sum(g.window is None for g in layout.groups)
+            per_seq = layout.blocks_per_seq(base.avg_tokens, bs, 1)
+            per_group = num_sharing * per_seq - (num_sharing - 1) * full_groups * (shared // bs)
+            conc = base.num_blocks / per_group * num_sharing
+        else:
+            per_group = num_sharing * base.avg_tokens - (num_sharing - 1) * shared
+            conc = base.tokens_max / per_group * num_sharing
         rows.append((f"prefix sharing ({shared} tokens x {num_sharing} requests)", base, conc))
     worst = ("every request at max_model_len", base, base.concurrency_max_model_len)
     rows.append(worst)
@@ -294,14 +362,20 @@ def render(plan: Plan, rows: list[tuple[str, Plan, float]]) -> str:
         (f"KV budget{tp}", _both(plan.kv_budget_bytes)),
         (f"KV bytes per token{tp}", f"{plan.kv_bytes_per_token:,} B"),
         ("KV bytes per block", f"{plan.kv_bytes_per_block:,} B"),
-        (f"KV bytes of {plan.avg_tokens:,} tokens",
-         _both(plan.kv_bytes_per_token * plan.avg_tokens)),
+        (f"KV bytes of {plan.avg_tokens:,} tokens", _both(plan.kv_bytes_avg)),
         ("blocks", f"{plan.num_blocks:,}"),
         ("tokens_max", f"{plan.tokens_max:,}"),
         (f"concurrency at {plan.avg_tokens:,} tokens", f"{plan.concurrency_avg:,.1f}"),
         (f"concurrency at max_model_len={plan.max_model_len:,}",
          f"{plan.concurrency_max_model_len:,.1f}"),
     ]
+    if plan.kv_groups:
+        facts[4:4] = [("KV groups", plan.kv_groups)]
+        for n, paged, full in ((plan.avg_tokens, plan.kv_bytes_avg, plan.kv_bytes_avg_full),
+                               (plan.max_model_len, plan.kv_bytes_max, plan.kv_bytes_max_full)):
+            facts.append((f"window paging at {n:,} tokens",
+                          f"{paged / 2**20:,.1f} MiB per sequence, {full / paged:.2f}x less "
+                          f"than {full / 2**20:,.1f} MiB with every layer whole"))
     if plan.tokens_max < plan.max_model_len:
         facts.append(("note", f"one request of max_model_len={plan.max_model_len:,} tokens "
                               f"does not fit tokens_max={plan.tokens_max:,}"))
@@ -316,14 +390,15 @@ def render(plan: Plan, rows: list[tuple[str, Plan, float]]) -> str:
     ]
     base = rows[0][2]
     for name, p, conc in rows:
-        lines.append(f"| {name} | {p.kv_bytes_per_token:,} | {p.tokens_max:,} | {conc:,.1f} | "
+        lines.append(f"| {name} | {p.kv_bytes_per_token_avg:,.0f} | {p.tokens_max:,} | {conc:,.1f} | "
                      f"{conc / base:.2f}x |")
     return "\n".join(lines)
 
 
 def to_json(plan: Plan, rows: list[tuple[str, Plan, float]]) -> str:
     return json.dumps({"plan": asdict(plan), "levers": [
-        {"lever": name, "kv_bytes_per_token": p.kv_bytes_per_token, "tokens_max": p.tokens_max,
+        {"lever": name, "kv_bytes_per_token": p.kv_bytes_per_token,
+         "kv_bytes_per_token_avg": p.kv_bytes_per_token_avg, "tokens_max": p.tokens_max,
          "concurrency": conc} for name, p, conc in rows]}, indent=1)
 
 

@@ -53,7 +53,7 @@ class ShardOptions:
 def model_kv_layout(cfg: ModelConfig, hybrid: bool) -> KVLayout:
     """The model's KV groups: its sliding-window layers paged apart from its full-attention
     ones unless ``hybrid`` is False (kv/spec.py)."""
-    return kv_layout([cfg.layer_window(i) for i in range(cfg.num_hidden_layers)], hybrid)
+    return kv_layout(cfg.layer_windows(), hybrid)
 
 
 def linear_options(dtype: torch.dtype, device: torch.device,

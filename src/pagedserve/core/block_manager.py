@@ -101,6 +101,7 @@ class BlockManager:
                 found[g].append(b)
             if self.windows[g] is None:
                 limit = len(found[g])
+
         def window_holds(num: int) -> bool:  # every window group has what position needs
             return all(None not in found[g][self.first_needed(self.windows[g],
                                                               num * self.block_size):num]
@@ -191,12 +192,14 @@ class BlockManager:
             return
         for g in self.windowed:
             table = seq.block_tables[g]
-            first = min(self.first_needed(self.windows[g], seq.num_computed_tokens),
-                        len(table))
-            gone = [b for b in table[:first] if b != NULL_BLOCK]
+            i = min(self.first_needed(self.windows[g], seq.num_computed_tokens), len(table)) - 1
+            gone = []  # tail first; the entries before the first null one are null already
+            while i >= 0 and table[i] != NULL_BLOCK:
+                gone.append(table[i])
+                table[i] = NULL_BLOCK
+                i -= 1
             if gone:
-                self.pool.free(gone[::-1])
-                table[:first] = [NULL_BLOCK] * first
+                self.pool.free(gone)
 
     def forget_uncomputed(self, seq: Sequence) -> None:
         """Drop the prefix-cache hashes of ``seq``'s blocks past its computed tokens (those

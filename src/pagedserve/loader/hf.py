@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedserve.config import SUPPORTED_ARCHITECTURES, ModelConfig, hf_attention_windows
 from pagedserve.loader import ModelLoadError, ModelSource
 
 
@@ -43,18 +43,11 @@ def read_hf_config(path: Path) -> ModelConfig:
                              "(supported: linear, llama3)")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    sliding = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
-        sliding = None
+    sliding, layer_types = hf_attention_windows(cfg)
     heads = cfg["num_attention_heads"]
     gemma = arch == "Gemma3ForCausalLM"
     if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
         raise ModelLoadError(f"{cfg_path}: logit soft-capping is not supported")
-    layer_types = cfg.get("layer_types")
-    if gemma and layer_types is None:  # transformers 4.x: every n-th layer is global
-        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-        layer_types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                       for i in range(cfg["num_hidden_layers"])]
     try:
         return ModelConfig(
             architecture=arch,
@@ -71,7 +64,7 @@ def read_hf_config(path: Path) -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-            layer_types=tuple(layer_types) if layer_types else None,
+            layer_types=layer_types,
             rope_local_theta=float(local_theta) if gemma else None,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
             rope_scaling=rope if kind != "default" else None,
