@@ -224,7 +224,7 @@ def test_swap_out_and_in_keeps_sharing():
     out = bm.swap_out([parent, child])
     assert len(out) == 2 and bm.pool.num_used_blocks == 0
     assert parent.swap_tables == child.swap_tables
-    assert bm.can_swap_in([parent, child])
+    assert bm.can_swap_in([parent, child], 64)
     back = bm.swap_in([parent, child])
     assert len(back) == 2 and parent.block_table == child.block_table
     assert all(bm.pool.ref_cnt[b] == 2 for b in parent.block_table)

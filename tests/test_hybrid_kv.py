@@ -147,7 +147,7 @@ def test_fork_and_swap_keep_null_entries_and_sharing():
     pairs = bm.swap_out([parent, child])
     assert len(pairs) == used and bm.pool.num_used_blocks == 0
     assert parent.swap_tables[1][0] == NULL_BLOCK
-    assert bm.can_swap_in([parent, child])
+    assert bm.can_swap_in([parent, child], 64)
     bm.swap_in([parent, child])
     assert parent.block_tables == child.block_tables and parent.block_tables[1][0] == NULL_BLOCK
     # both write token 15 into their shared partial block: copy-on-write in each group
@@ -200,7 +200,8 @@ def test_window_paging_gives_the_tokens_of_keeping_every_layer_whole(tiny_gemma3
     runs = {}
     for hybrid in (True, False):
         llm = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=2048, block_size=4,
-                  enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid)
+                  enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
+                  max_num_batched_tokens=16)  # short chunks: decoding sets the peak
         runs[hybrid] = (_tokens(llm.generate(prompts, params, use_tqdm=False)),
                         llm.kv_cache_stats())
     assert runs[True][0] == runs[False][0]
@@ -261,3 +262,54 @@ def test_stats_and_metrics_count_blocks_per_group(tiny_gemma3):
             'model_name="m"} 2.0' in text)
     engine.abort_request(["a"])
     assert [g.num_used_blocks for g in engine.kv_cache_stats().kv_groups] == [0] * 6
+
+
+def test_contiguous_allocator_and_the_in_step_peak(tiny_gemma3):
+    """kv_allocator="contiguous" pages a hybrid model as one group of every layer (the
+    workers' cache too) with the same tokens; peak_used_blocks sees the blocks a prefill step
+    held before its window groups gave them back."""
+    from pagedserve import LLM, SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(3, 43))}  # 40 tokens: 10 blocks of 4 per group
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    paged = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=512, block_size=4)
+    want = paged.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    stats = paged.kv_cache_stats()
+    assert stats.peak_used_blocks >= 6 * 10  # the prefill step, in every group
+    contiguous = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=64, block_size=4,
+                     kv_allocator="contiguous", max_model_len=64)
+    assert [g.window for g in contiguous.kv_cache_stats().kv_groups] == [None]
+    out = contiguous.generate(prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("length", [60, 200])
+def test_a_pool_sized_to_the_worst_case_never_stalls(tiny_gemma3, mode, length):
+    """Three long prompts in chunks of 16 in a pool of one sequence's worst case (and a
+    little more): preempted mid-prefill, a swapped request comes back once the pool is free
+    (its window groups need only the next chunk's blocks, not every uncomputed token's)."""
+    from pagedserve import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(length)]}
+               for i in range(3)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    need = kv_layout([8, 8, 8, 8, 8, None]).blocks_per_seq(length + 24, 4, 16)
+    ref = None
+    for extra in (10_000, 0, 17):
+        llm = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=need + extra,
+                  block_size=4, preemption_mode=mode, swap_space=0.01,
+                  max_num_batched_tokens=16, enable_prefix_caching=False)
+        engine = llm.llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        outs, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            assert steps < 1000, f"no progress after {steps} steps"
+        if extra == 0:
+            assert engine.scheduler.num_preemptions > 0
+        ref = ref or outs
+        assert outs == ref

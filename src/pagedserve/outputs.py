@@ -115,9 +115,11 @@ class KVCacheStats:
     """A snapshot of the paged KV cache.
 
     Blocks: ``num_free_blocks`` (empty) + ``num_cached_blocks`` (free but holding a reusable
-    prefix) + ``num_used_blocks`` (referenced) == ``num_blocks``. ``kv_token_utilization`` is
-    measured at the step with the most blocks in use: slots holding real K/V state divided by
-    the slots of all allocated blocks. ``prefix_cache_queries`` / ``prefix_cache_hits`` count
+    prefix) + ``num_used_blocks`` (referenced) == ``num_blocks``. ``peak_used_blocks``: the
+    most blocks in use at any moment (within a step too: a sliding-window group returns
+    blocks after the step that needed them). ``kv_token_utilization`` is measured at the end
+    of the step with the most blocks in use: slots holding real K/V state divided by the
+    slots of all allocated blocks. ``prefix_cache_queries`` / ``prefix_cache_hits`` count
     prompt tokens looked up / found in the prefix cache. ``kv_sharing_saving`` is the share of
     block memory saved by sharing (prefix hits, forks), averaged over steps: 1 - (blocks used)
     / (blocks the sequences' tables hold, counted per sequence). ``reserved_slot_utilization``:

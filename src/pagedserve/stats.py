@@ -163,7 +163,7 @@ class StatsTracker:
             num_blocks=pool.num_blocks, block_size=self.block_size,
             num_free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
             num_used_blocks=pool.num_used_blocks,
-            peak_used_blocks=self.peak_used_blocks,
+            peak_used_blocks=max(self.peak_used_blocks, pool.peak_used),
             num_preemptions=self.scheduler.num_preemptions,
             kv_token_utilization=self.kv_token_utilization,
             kv_bytes_per_token=self.kv_bytes_per_token,

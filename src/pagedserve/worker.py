@@ -129,18 +129,23 @@ def size_kv_cache(args: EngineArgs, shard: ModelConfig, spec: KVCacheSpec, model
         if num_kv_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes holds no block of "
                              f"{slot_bytes_per_token(shard, spec, layout) * bs} bytes")
+    source = "num_kv_blocks" if args.num_kv_blocks is not None else "kv_cache_memory"
     capacity = layout.max_tokens(num_kv_blocks, bs, chunk)
     max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = min(model_limit, capacity)
         if max_model_len < 1:
             raise ValueError(f"{num_kv_blocks} KV blocks hold no sequence of the model's "
-                             f"{len(layout.groups)} KV groups; raise kv_cache_memory")
+                             f"{len(layout.groups)} KV groups; raise {source}")
+        if max_model_len < model_limit:
+            logger.warning("max_model_len is %d, capped by the KV cache (%d blocks) below the "
+                           "model's %d positions; raise %s for longer requests", max_model_len,
+                           num_kv_blocks, model_limit, source)
     elif max_model_len > capacity:
         raise ValueError(
             f"max_model_len={max_model_len} needs "
             f"{layout.blocks_per_seq(max_model_len, bs, chunk)} KV blocks but the cache has "
-            f"{num_kv_blocks}; lower max_model_len or raise kv_cache_memory")
+            f"{num_kv_blocks}; lower max_model_len or raise {source}")
     num_swap_blocks = 0
     if args.preemption_mode == "swap":
         num_swap_blocks = int(args.swap_space * 2**30) // (
@@ -164,7 +169,7 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
     options = ShardOptions(str(source.path), str(dtype).removeprefix("torch."), str(device),
                            args.quantization, spec.name, sizing.num_kv_blocks, args.block_size,
                            sizing.num_swap_blocks, sizing.max_model_len,
-                           not args.disable_hybrid_kv_cache_manager)
+                           sizing.layout.is_hybrid)
     if driver is not None:
         driver.send(options)
         tp = device_group(tp, options.device)

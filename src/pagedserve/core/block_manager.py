@@ -256,21 +256,24 @@ class BlockManager:
         self.num_swapped_out_blocks += len(distinct)
         return list(host.items())
 
-    def can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Room for the swapped blocks plus what the request's next step needs: blocks for
-        its uncomputed tokens and the copy-on-write copies of shared, partly filled last
-        blocks. Exact, so that a request that fits the empty pool (``check_fits``) always
-        comes back once the pool is empty."""
+    def can_swap_in(self, seqs: list[Sequence], chunk: int) -> bool:
+        """Room for the swapped blocks plus what the request's next step needs: in a
+        full-attention group, blocks for all its uncomputed tokens; in a window group, for
+        the next ``chunk`` of them (its older blocks go back as it advances); and the
+        copy-on-write copies of shared, partly filled last blocks. Exact, so that a request
+        that fits the empty pool (``check_fits``) always comes back once the pool is empty."""
         distinct = set(b for s in seqs for t in s.swap_tables for b in _live(t))
         needed = len(distinct)
-        for g in range(len(self.windows)):
+        for g, window in enumerate(self.windows):
             tables = [s.swap_tables[g] for s in seqs if s.swap_tables]
             last_holders = Counter(t[-1] for t in tables if t)
             for s in seqs:
                 if not s.swap_tables:
                     continue
                 t = s.swap_tables[g]
-                needed += max(0, cdiv(s.num_tokens, self.block_size) - len(t))
+                upto = s.num_tokens if window is None else \
+                    min(s.num_tokens, s.num_computed_tokens + chunk)
+                needed += max(0, cdiv(upto, self.block_size) - len(t))
                 if t and s.num_computed_tokens % self.block_size:
                     # of h sequences writing into one shared partial block, h - 1 copy it
                     needed += last_holders[t[-1]] > 1

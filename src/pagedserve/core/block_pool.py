@@ -51,6 +51,7 @@ class BlockPool:
         # Each block's owner tag (a hybrid model's KV group) and the blocks in use per tag.
         self.tag = [0] * num_blocks
         self.used_by_tag: dict[int, int] = {}
+        self.peak_used = 0  # most blocks in use at once, whenever in a step that was
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +84,7 @@ class BlockPool:
             self.tag[b] = tag
             blocks.append(b)
         self.used_by_tag[tag] = self.used_by_tag.get(tag, 0) + n
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return blocks
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -95,6 +97,7 @@ class BlockPool:
                     self.num_cached_free -= 1
                 self.used_by_tag[self.tag[b]] = self.used_by_tag.get(self.tag[b], 0) + 1
             self.ref_cnt[b] += 1
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 go to the back of the free

@@ -175,7 +175,7 @@ class Scheduler:
             request = self.swapped[0]
             seqs = request.live_seqs
             if (self.num_seats() + request.max_num_seqs > self.config.max_num_seqs
-                    or not bm.can_swap_in(seqs)):
+                    or not bm.can_swap_in(seqs, self.config.max_num_batched_tokens)):
                 return out
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(seqs)
