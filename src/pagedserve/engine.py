@@ -106,8 +106,8 @@ class LLMEngine:
                                               one_sequence=args.kv_allocator == "contiguous")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StatsTracker(self.scheduler, self.block_manager, bs,
-                                  self.kv_bytes_per_token, self.cache_config.debug_checks,
-                                  self.kv_cache.layout)
+                                  self.kv_bytes_per_token, self.kv_cache.layout,
+                                  self.cache_config.debug_checks)
         self.sampler = Sampler(kernels.load() if self.device.type == "cpu" else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed)

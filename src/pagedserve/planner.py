@@ -275,18 +275,8 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
                 block_size, avg_tokens, max_model_len, shape.num_params, total, per_worker,
                 overhead_bytes, per_token, block_bytes, budget, blocks,
                 layout.max_tokens(blocks, block_size, 1), blocks / held_avg, blocks / held_max,
-                describe_groups(layout), held_avg * block_bytes, full_avg,
+                layout.describe(), held_avg * block_bytes, full_avg,
                 held_max * block_bytes, full_max)
-
-
-def describe_groups(layout: Any) -> str:
-    """"3 full-attention + 15 sliding-window (512) layers in 6 KV groups of 3"."""
-    counts: dict[int | None, int] = {}
-    for g in layout.groups:
-        counts[g.window] = counts.get(g.window, 0) + len(g.layers)
-    kinds = " + ".join(f"{n} {'full-attention' if w is None else f'sliding-window ({w})'}"
-                       for w, n in counts.items())
-    return f"{kinds} layers in {len(layout.groups)} KV groups of {layout.slots}"
 
 
 def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,

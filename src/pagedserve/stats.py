@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.core.block_manager import NULL_BLOCK, BlockManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.kv.spec import KVGroupSpec, KVLayout
+from pagedserve.kv.spec import KVLayout
 from pagedserve.outputs import KVCacheStats, KVGroupStats, RequestMetrics, RequestOutput
 
 
@@ -49,10 +49,9 @@ class StatsTracker:
     """Counts per step what the KV cache and the batch did."""
 
     def __init__(self, scheduler: Scheduler, block_manager: BlockManager, block_size: int,
-                 kv_bytes_per_token: int, debug_checks: bool = False,
-                 layout: KVLayout | None = None):
+                 kv_bytes_per_token: int, layout: KVLayout, debug_checks: bool = False):
         self.scheduler = scheduler
-        self.layout = layout or KVLayout((KVGroupSpec(None, ()),), 0)
+        self.layout = layout
         self.block_manager = block_manager
         self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -183,7 +182,7 @@ class StatsTracker:
 
     def _group_stats(self) -> list[KVGroupStats]:
         layout = self.layout
-        num_layers = sum(len(g.layers) for g in layout.groups) or 1
+        num_layers = sum(len(g.layers) for g in layout.groups)
         slot_bytes = self.kv_bytes_per_token // num_layers * layout.slots
         return [KVGroupStats(g.window, g.layers, slot_bytes, n)
                 for g, n in zip(layout.groups, self._group_used_blocks())]

@@ -203,16 +203,10 @@ def describe_kv_groups(layout: KVLayout, bytes_per_token: int, num_blocks: int,
                        block_size: int, max_len: int) -> str:
     """One line on the KV groups of a model with sliding-window layers: what a block holds
     and what a sequence of max_model_len tokens holds when decoding."""
-    kinds: dict[int | None, list[int]] = {}
-    for g in layout.groups:
-        kinds.setdefault(g.window, []).append(len(g.layers))
-    parts = [f"{len(sizes)} {'full-attention' if w is None else f'sliding-window ({w})'} "
-             f"group{'s' if len(sizes) > 1 else ''} of {max(sizes)} "
-             f"layer{'s' if max(sizes) > 1 else ''}" for w, sizes in kinds.items()]
     held = layout.blocks_per_seq(max_len, block_size, 1)
     full = len(layout.groups) * cdiv(max_len, block_size)
     per_layer = bytes_per_token // sum(len(g.layers) for g in layout.groups)
-    return (f"KV groups: {', '.join(parts)}, a block holds {layout.slots} layers "
-            f"({per_layer * layout.slots} bytes per token slot); a {max_len}-token sequence "
+    return (f"KV groups: {layout.describe()}, {per_layer * layout.slots} bytes per token "
+            f"slot; a {max_len}-token sequence "
             f"(max_model_len) holds {held} blocks while decoding ({full} with every layer kept "
             f"whole, {full / held:.2f}x), max concurrency {num_blocks / held:.2f}x")

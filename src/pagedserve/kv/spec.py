@@ -99,6 +99,16 @@ class KVLayout:
     def is_hybrid(self) -> bool:
         return len(self.groups) > 1 or self.groups[0].window is not None
 
+    def describe(self) -> str:
+        """For example "3 full-attention + 15 sliding-window (512) layers in 6 KV groups of
+        3" (the start-up log and ``pagedserve plan``)."""
+        counts: dict[int | None, int] = {}
+        for g in self.groups:
+            counts[g.window] = counts.get(g.window, 0) + len(g.layers)
+        kinds = " + ".join(f"{n} {'full-attention' if w is None else f'sliding-window ({w})'}"
+                           for w, n in counts.items())
+        return f"{kinds} layers in {len(self.groups)} KV groups of {self.slots}"
+
     def layer_slot(self, layer: int) -> tuple[int, int]:
         """(group, slot) of ``layer``. Raises ValueError for a layer in no group."""
         for g, group in enumerate(self.groups):
