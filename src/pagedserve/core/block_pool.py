@@ -51,7 +51,7 @@ class BlockPool:
         # Each block's owner tag (a hybrid model's KV group) and the blocks in use per tag.
         self.tag = [0] * num_blocks
         self.used_by_tag: dict[int, int] = {}
-        self.peak_used = 0  # most blocks in use at once, whenever in a step that was
+        self.peak_used = 0  # most blocks in use at any moment, inside a step too
 
     @property
     def num_free_blocks(self) -> int:
