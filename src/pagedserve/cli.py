@@ -328,6 +328,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError("the API key is empty")
     if args.served_model_name == "":
         raise ValueError("--served-model-name is empty")
+    from pagedserve.server.tool_parsers import get_tool_parser
+
+    get_tool_parser(args.tool_call_parser)  # a bad name fails before the model loads
     from pagedserve.engine import LLMEngine
     from pagedserve.loader.fetched import DEFAULT_MODEL_NAME, MODELS
     from pagedserve.server import run_server
@@ -341,7 +344,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         run_server(engine, name,
                    host=args.host, port=args.port, api_key=api_key,
                    max_num_waiting=args.max_num_waiting, max_body_bytes=args.max_body_bytes,
-                   log_level=args.log_level)
+                   log_level=args.log_level, tool_call_parser=args.tool_call_parser)
     finally:
         engine.shutdown()
 
@@ -489,6 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 16MiB)")
     v.add_argument("--seed", type=int, default=None,
                    help="the seed unseeded requests share (default: 0)")
+    v.add_argument("--tool-call-parser", default="smollm2",
+                   help="the model's tool-call format (smollm2, hermes), parsed for "
+                        "tool_choice 'auto' and forced for 'required' or a named function "
+                        "(default: smollm2)")
+    v.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice 'auto' is always on")
     v.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info logs every request)")

@@ -130,15 +130,11 @@ class LLMEngine:
                 max_tokens beyond max_model_len); a request whose sequences could never fit
                 in the KV cache together; stop strings without a tokenizer.
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {request_id!r}")
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = self.input_processor.check_request(request_id, params, arrival_time)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.input_processor.check_arrival_time(arrival_time)
-        text, ids, salt = self.input_processor.process_prompt(prompt)
+        text, ids, salt = self.input_processor.process_prompt(
+            prompt, getattr(params, "truncate_prompt_tokens", None))
         max_tokens = self.input_processor.resolve_max_tokens(params, len(ids))
         self.input_processor.check_fits(params, len(ids) + max_tokens)
         beam = isinstance(params, BeamSearchParams)
@@ -147,6 +143,7 @@ class LLMEngine:
             max_tokens=max_tokens, eos_token_ids=frozenset(self.model_config.eos_token_ids),
             metrics=RequestMetrics(arrival_time or time.time()), root_hash=root_hash(salt),
             arrival_index=next(self._arrivals))
+        request.grammar, request.bad_words_ids = self.input_processor.constraints(params)
         if beam:
             request.beam = BeamSearchState(params, len(ids), request.eos_token_ids)
         elif params.prompt_logprobs is not None:
@@ -157,6 +154,8 @@ class LLMEngine:
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, index, token_ids)
+        if request.grammar is not None:  # n > 1 forks happen before any output token
+            seq.matcher = request.grammar.new_matcher()
         self.output_processor.attach(seq)
         seed = getattr(request.params, "seed", None)
         if seed is not None:

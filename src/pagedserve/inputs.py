@@ -9,6 +9,7 @@ chat template never stalls the streams being generated.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, NamedTuple
 
 from pagedserve.config import CacheConfig, SchedulerConfig
@@ -93,6 +94,43 @@ class InputProcessor:
         # before tokenizing bounds the work one request can cause.
         self.max_prompt_chars = (max_model_len * longest_token_chars(tokenizer)
                                  if tokenizer is not None else 0)
+        self._grammars: Any = None  # structured.GrammarCompiler, made on first use
+        self._grammars_lock = threading.Lock()
+
+    def constraints(self, params: SamplingParams | BeamSearchParams
+                    ) -> tuple[Any, list[list[int]]]:
+        """(compiled grammar or None, token ids of each bad word and its leading-space form)
+        of a request. Raises ValueError as ``compile_grammar``, or for bad_words without a
+        tokenizer."""
+        words = getattr(params, "bad_words", None)
+        if not words:
+            return self.compile_grammar(params), []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine has none")
+        ids = {tuple(self.tokenizer.encode(form, add_special_tokens=False))
+               for w in words for form in (w.lstrip(), " " + w.lstrip())}
+        return self.compile_grammar(params), [list(t) for t in sorted(ids) if t]
+
+    def compile_grammar(self, params: SamplingParams | BeamSearchParams) -> Any:
+        """The compiled grammar (``structured.Grammar``) of a request with
+        ``structured_outputs``, else None. Compiled once per spec and cached, so the server
+        compiles in its input workers and the engine thread then only finds it.
+
+        Raises:
+            ValueError: a spec the grammar engine refuses (naming the field), or a server
+                without a tokenizer.
+        """
+        spec = getattr(params, "structured_outputs", None)
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none")
+        with self._grammars_lock:
+            if self._grammars is None:
+                from pagedserve.structured import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars.compile(spec)
 
     # ---- prompts ------------------------------------------------------------------------------
 
@@ -139,11 +177,13 @@ class InputProcessor:
         self.check_text_length(text_chars(messages))
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs)
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, truncate: int | None = None
+                       ) -> ProcessedPrompt:
         """A prompt string, or a dict with "prompt" and/or "prompt_token_ids" (ids win) and
         optionally "cache_salt", as checked token ids: not empty, inside the vocabulary, at
-        most max_model_len. Raises ValueError (ContextLengthError for length) naming the
-        numbers."""
+        most max_model_len. ``truncate`` (``truncate_prompt_tokens``) keeps the last k ids
+        (-1: max_model_len); the text stays whole. Raises ValueError (ContextLengthError for
+        length) naming the numbers."""
         salt = None
         text = prompt
         ids = None
@@ -167,19 +207,30 @@ class InputProcessor:
             ids = self.tokenize(text)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
+        if truncate is not None:
+            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
         self.check_token_ids(ids)
         if len(ids) > self.max_model_len:
             raise context_length_error(self.max_model_len, len(ids))
         return ProcessedPrompt(text, ids, salt)
 
     @staticmethod
-    def check_arrival_time(arrival_time: Any) -> None:
-        """Raise ValueError unless ``arrival_time`` is None or a finite ``time.time()``."""
+    def check_request(request_id: Any, params: Any, arrival_time: Any
+                      ) -> SamplingParams | BeamSearchParams:
+        """``params`` (default ``SamplingParams()`` for None) after checking that
+        ``request_id`` is a string, ``params`` SamplingParams or BeamSearchParams and
+        ``arrival_time`` None or a finite ``time.time()``; raises ValueError otherwise."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if arrival_time is not None and (not isinstance(arrival_time, (int, float))
                                          or isinstance(arrival_time, bool)
                                          or not math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time must be a finite number of seconds (time.time()), "
                              f"got {arrival_time!r}")
+        return params
 
     def check_token_ids(self, ids: list[int], field: str = "token id") -> None:
         """Raise ValueError naming the first id outside [0, vocab_size)."""
@@ -215,6 +266,8 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             return
         self.check_token_ids(params.stop_token_ids, "stop_token_ids: token id")
+        self.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids: token id")
+        self.check_token_ids(list(params.logit_bias or {}), "logit_bias: token id")
         if params.top_k > self.vocab_size:
             raise ValueError(f"top_k must be at most the vocabulary size {self.vocab_size} "
                              f"(or -1 / 0 for all), got {params.top_k}")

@@ -70,6 +70,9 @@ class OutputProcessor:
             if stop is not None:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                 return True
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return True
         if seq.num_output_tokens >= seq.request.max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH
             return True

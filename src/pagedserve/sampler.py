@@ -11,7 +11,7 @@ Logprobs are taken from the raw model logits (before penalties and temperature),
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -26,7 +26,10 @@ class SamplingMetadata:
     Shapes: ``temperature`` [B] float32 (1.0 on greedy rows); ``greedy`` [B] bool; ``top_k``
     [B] int64 (vocab size where disabled) or None; ``top_p``/``min_p`` [B] float32 or None;
     penalty tensors [B] float32 or None, with ``output_counts`` [B, V] float32 and
-    ``prompt_mask`` [B, V] bool; ``banned``: (row, token ids) masked to -inf (min_tokens).
+    ``prompt_mask`` [B, V] bool; ``banned``: (row, token ids) masked to -inf (min_tokens,
+    bad_words); ``bias``: (row, ids [k] int64, biases [k] float32) added (logit_bias);
+    ``allowed``: (rows, [len(rows), V] bool) the tokens a grammar (structured outputs) and
+    ``allowed_token_ids`` leave to those rows.
     """
 
     temperature: torch.Tensor
@@ -43,6 +46,8 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None
     banned: list[tuple[int, list[int]]]
     max_num_logprobs: int | None
+    bias: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    allowed: tuple[list[int], torch.Tensor] | None = None
 
 
 @dataclass
@@ -90,10 +95,15 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
             prompt_mask[i, tensor(seq.request.prompt_token_ids, torch.int64)] = True
     banned = []
     for i, (seq, p) in enumerate(zip(seqs, params)):
+        ids = []
         if seq.num_output_tokens < p.min_tokens:
             ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seq.request.eos_token_ids))
-            if ids:
-                banned.append((i, ids))
+        if seq.request.bad_words_ids:
+            ids += bad_word_ends(seq.request.bad_words_ids, seq.output_token_ids)
+        if ids:
+            banned.append((i, ids))
+    bias = [(i, tensor(list(p.logit_bias), torch.int64), tensor(list(p.logit_bias.values())))
+            for i, p in enumerate(params) if p.logit_bias]
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
         # NOTE: capped so float32 keeps it finite (-inf / inf would be NaN); the distribution
@@ -106,9 +116,61 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
                     if seq.generator is not None and not greedy[i]},
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         output_counts=counts, prompt_mask=prompt_mask,
-        banned=banned,
+        banned=banned, bias=bias, allowed=allowed_tokens(seqs, vocab_size, device),
         max_num_logprobs=max(logprobs) if logprobs else None,
     )
+
+
+def bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end ``output`` (a one-token word is
+    always banned), as vLLM's bad_words."""
+    return [w[-1] for w in words
+            if len(w) == 1 or (len(output) >= len(w) - 1 and output[len(output) - len(w) + 1:]
+                               == w[:-1])]
+
+
+def allowed_tokens(seqs: list[Sequence], vocab_size: int, device: torch.device
+                   ) -> tuple[list[int], torch.Tensor] | None:
+    """(rows, bool [len(rows), V]) for the rows restricted by a grammar (structured outputs)
+    or ``allowed_token_ids``, or None when no row is: the other rows are never touched."""
+    rows = [i for i, s in enumerate(seqs)
+            if s.matcher is not None or s.request.params.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
+    grammar_rows = [j for j, i in enumerate(rows) if seqs[i].matcher is not None]
+    if grammar_rows:
+        from pagedserve.structured import fill_allowed
+
+        mask[grammar_rows] = fill_allowed([seqs[rows[j]].matcher for j in grammar_rows],
+                                          vocab_size, device)
+    for j, i in enumerate(rows):
+        ids = seqs[i].request.params.allowed_token_ids
+        if ids is not None:
+            only = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            only[torch.tensor(ids, dtype=torch.int64, device=device)] = True
+            mask[j] &= only
+    return rows, mask
+
+
+def restrict(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, then the allowed tokens (grammar, allowed_token_ids), then the banned ones
+    (min_tokens, bad_words), in place on logits [B, V] float32. A restricted row whose every
+    allowed token is banned keeps its allowed tokens: a grammar that can only end now ends
+    (it wins over min_tokens), rather than sampling from nothing."""
+    for row, ids, values in md.bias:
+        logits[row, ids] += values
+    restricted: set[int] = set()
+    if md.allowed is not None:
+        rows, allowed = md.allowed
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        restricted.update(rows)
+    for row, ids in md.banned:
+        kept = logits[row].clone() if row in restricted else None
+        logits[row, ids] = float("-inf")
+        if kept is not None and not bool(torch.isfinite(logits[row]).any()):
+            logits[row] = kept
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -162,10 +224,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
                  generator: torch.Generator) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        if md.banned:
-            logits = logits.clone()
-            for row, ids in md.banned:
-                logits[row, ids] = float("-inf")
+        if md.banned or md.bias or md.allowed is not None:
+            logits = restrict(logits.clone(), md)
         if md.output_counts is not None:
             logits = apply_penalties(logits, md)
         sampled = self._argmax(logits)

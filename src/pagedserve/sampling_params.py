@@ -7,6 +7,7 @@ bad request is refused before it reaches the scheduler.
 from __future__ import annotations
 
 import enum
+import json as jsonlib
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 4096
+MAX_LOGIT_BIAS = 1024  # OpenAI allows 300 entries
 # A finished beam scores sum(logprobs) / len ** length_penalty; beyond this bound len ** lp
 # overflows a float for long outputs.
 MAX_LENGTH_PENALTY = 10.0
@@ -39,6 +41,63 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names): exactly one of ``json`` (a JSON Schema, as a dict
+    or its JSON text), ``regex``, ``choice`` (a list of strings: the output is one of them),
+    ``grammar`` (a Lark grammar) or ``json_object=True`` (any JSON object).
+
+    Raises:
+        ValueError: none or several given, or one of the wrong type, naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f for f in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, f) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", jsonlib.loads(self.json))
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON Schema object, got "
+                             f"{type(self.json).__name__}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be true or false, got "
+                             f"{self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple))
+                                        or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             "strings")
+
+    def kind(self) -> tuple[str, object]:
+        """(field, spec) of the one constraint given."""
+        if self.json_object:
+            return "json_object", {"type": "object"}
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        raise AssertionError("validated in __post_init__")
+
+    def cache_key(self) -> str:
+        field, spec = self.kind()
+        return field + ":" + jsonlib.dumps(spec, sort_keys=True)
 
 
 @dataclass
@@ -64,6 +123,14 @@ class SamplingParams:
             this many top alternatives (0..20); such a request does not use prefix-cache hits,
             since every prompt position must be computed.
         output_kind: CUMULATIVE, DELTA (streaming) or FINAL_ONLY outputs from ``LLMEngine.step``.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (``StructuredOutputsParams``).
+        logit_bias: token id -> bias in [-100, 100] added to its logit (OpenAI's field).
+        allowed_token_ids: only these tokens may be generated (at most the vocabulary).
+        bad_words: words never generated: a word's last token is masked whenever the output
+            ends with the tokens before it (each word with and without a leading space).
+        truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1; -1 means
+            max_model_len).
     Raises:
         ValueError: for any value out of range, with the field name and value.
     """
@@ -87,6 +154,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +193,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None \
+                and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs must be a StructuredOutputsParams, got "
+                 f"{type(self.structured_outputs).__name__}")
+        self._validate_logits_fields(fail)
         if not isinstance(self.output_kind, RequestOutputKind):
             fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.n < 1:
@@ -163,6 +240,33 @@ class SamplingParams:
                  f"{len(self.stop_token_ids)}")
         if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def _validate_logits_fields(self, fail) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                fail(f"logit_bias must be a map of at most {MAX_LOGIT_BIAS} token ids to "
+                     f"numbers, got {bias!r:.200}")
+            for token, value in bias.items():
+                if not _is_int(token) or not 0 <= token <= INT64_MAX:
+                    fail(f"logit_bias: token ids must be non-negative integers, got {token!r}")
+                if not (_is_int(value) or isinstance(value, float)) or not -100 <= value <= 100:
+                    fail(f"logit_bias: biases must be numbers in [-100, 100], got {value!r} "
+                         f"for token {token}")
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not ids
+                                or any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in ids)):
+            fail(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple))
+                                  or len(words) > MAX_STOP_STRINGS
+                                  or any(not isinstance(w, str) or not w.strip()
+                                         or len(w) > MAX_STOP_STRING_CHARS for w in words)):
+            fail(f"bad_words must be a list of at most {MAX_STOP_STRINGS} non-blank strings "
+                 f"of at most {MAX_STOP_STRING_CHARS} characters, got {words!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= INT64_MAX)):
+            fail(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,6 +78,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # (tokens, characters) already returned in RequestOutputKind.DELTA outputs.
     delta_offsets: tuple[int, int] = (0, 0)
+    # With structured outputs: the grammar matcher (llguidance) that has consumed this
+    # sequence's output tokens; it survives preemption, since those tokens stay.
+    matcher: Any = None
 
     @property
     def block_table(self) -> list[int]:
@@ -134,6 +137,8 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # a DELTA stream sends them once
     error: str | None = None  # why the request failed (finish_reason "error")
+    grammar: Any = None  # structured outputs: the compiled Grammar its sequences follow
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words
 
     @property
     def max_num_seqs(self) -> int:

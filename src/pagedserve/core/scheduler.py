@@ -331,6 +331,8 @@ class Scheduler:
             metrics.first_token_time = now
             stats.first_token(metrics, len(seq.request.prompt_token_ids))
         metrics.last_token_time = now
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise ValueError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
         seq.append_token(token)
         stats.num_generation_tokens += 1
         metrics.num_generation_tokens = max(metrics.num_generation_tokens,

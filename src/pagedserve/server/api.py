@@ -177,7 +177,8 @@ async def _parse(request: Request, model: type[BaseModel],
 def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None = None,
               max_num_waiting: int | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              on_ready: Callable[[], None] | None = None) -> FastAPI:
+              on_ready: Callable[[], None] | None = None,
+              tool_call_parser: str = "smollm2") -> FastAPI:
     """The FastAPI app serving ``engine``. Its engine thread starts with the app's lifespan
     and stops with it (``app.state.async_engine``; metrics in ``app.state.metrics``).
 
@@ -187,10 +188,11 @@ def build_app(engine: LLMEngine, served_model_name: str, *, api_key: str | None 
         max_num_waiting: requests allowed to wait for admission; beyond it 429.
         max_body_bytes: largest request body (413 beyond).
         on_ready: called once the engine thread runs (the CLI prints the URL).
+        tool_call_parser: the model's tool-call format (``tool_parsers.TOOL_PARSERS``).
     """
     metrics = ServerMetrics(served_model_name, engine.kv_cache_stats().kv_groups)
     async_engine = AsyncEngine(engine, max_num_waiting, on_step=metrics.update)
-    serving = OpenAIServing(async_engine, served_model_name)
+    serving = OpenAIServing(async_engine, served_model_name, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -15,7 +15,7 @@ from pagedserve.engine import LLMEngine
 def run_server(engine: LLMEngine, served_model_name: str, host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None,
                max_num_waiting: int | None = None, max_body_bytes: int | None = None,
-               log_level: str = "warning") -> None:
+               log_level: str = "warning", tool_call_parser: str = "smollm2") -> None:
     """Serve ``engine`` on ``host:port`` (port 0: any free port) until interrupted.
 
     Raises:
@@ -42,7 +42,8 @@ def run_server(engine: LLMEngine, served_model_name: str, host: str = "127.0.0.1
 
     app = build_app(engine, served_model_name, api_key=api_key,
                     max_num_waiting=max_num_waiting,
-                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, on_ready=ready)
+                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, on_ready=ready,
+                    tool_call_parser=tool_call_parser)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises the signal after its graceful shutdown; let SIGTERM end as exit 0

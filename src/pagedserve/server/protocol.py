@@ -23,7 +23,11 @@ from pydantic import (
     StrictStr,
 )
 
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 Number = StrictFloat  # a JSON number (ints too), never a string or a boolean
 
@@ -43,9 +47,7 @@ MAX_DETOKENIZE_TOKENS = 131_072
 # implemented here, each with the values besides null that mean "off" (some clients send
 # every field).
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
-    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "guided_whitespace_pattern": (),
     "use_beam_search": (False,), "length_penalty": (1,), "logits_processors": (),
     "return_tokens_as_token_ids": (False,), "prompt_embeds": (),
     "spaces_between_special_tokens": (True,), "priority": (0,), "vllm_xargs": (),
@@ -53,11 +55,12 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "function_call": ("none", "auto"), "prediction": (), "audio": (), "modalities": (["text"],),
 }
 CHAT_UNIMPLEMENTED = {
-    **UNIMPLEMENTED, "continue_final_message": (False,), "chat_template": (),
-    "chat_template_kwargs": ({},), "documents": (), "echo": (False,),
+    **UNIMPLEMENTED, "chat_template": (), "documents": (), "echo": (False,),
     "add_special_tokens": (False,),
 }
-COMPLETION_UNIMPLEMENTED = {**UNIMPLEMENTED, "add_special_tokens": (True,)}
+COMPLETION_UNIMPLEMENTED = {**UNIMPLEMENTED, "add_special_tokens": (True,), "tools": ([],),
+                            "tool_choice": ("none", "auto"), "continue_final_message": (False,),
+                            "chat_template_kwargs": ({},)}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -104,32 +107,67 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     cache_salt: StrictStr | None = None
     user: StrictStr | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    truncate_prompt_tokens: Int | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None  # one grammar engine here: ignored
     # Accepted by OpenAI or vLLM but not implemented here: refused unless left at "off", so
     # that a request never silently gets something else than it asked for.
-    logit_bias: dict[str, Any] | None = None
     best_of: Int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     prompt_logprobs: Any = None  # offline API only (SamplingParams.prompt_logprobs)
 
     def unsupported(self) -> str | None:
         """The name of a set field this server does not implement, if any."""
-        if self.logit_bias:
-            return "logit_bias"
         if self.best_of not in (None, 1) and self.best_of != self.n:
             return "best_of"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
         if self.prompt_logprobs is not None:
             return "prompt_logprobs"
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured_spec(self) -> tuple[StructuredOutputsParams | None, str]:
+        """(the constraint, the field the client sent it in). Raises ValueError starting
+        with the field's name for a malformed value or two constraints in one request."""
+        given = [name for name in ("response_format", "structured_outputs", "guided_json",
+                                   "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format == {"type": "text"})]
+        if not given:
+            return None, ""
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give one output constraint per request, got "
+                             f"{' and '.join(given)}")
+        name = given[0]
+        value = getattr(self, name)
+        if name == "response_format":
+            return response_format_spec(value)
+        if name == "structured_outputs":
+            unknown = sorted(set(value) - STRUCTURED_FIELDS)
+            if unknown:
+                raise ValueError(f"structured_outputs.{unknown[0]}: unknown field; the fields "
+                                 f"are {', '.join(sorted(STRUCTURED_FIELDS))}")
+            try:
+                spec = StructuredOutputsParams(**{k: v for k, v in value.items()
+                                                  if k in CONSTRAINTS})
+                return spec, f"{name}.{spec.kind()[0]}"
+            except (ValueError, TypeError) as e:
+                raise ValueError(str(e)) from None
+        key = name.removeprefix("guided_")
+        try:
+            return StructuredOutputsParams(**{key: value}), name
+        except ValueError as e:
+            raise ValueError(str(e).replace(f"structured_outputs.{key}", name)) from None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) naming the field."""
         fields: dict[str, Any] = dict(
             n=self.n, seed=self.seed, max_tokens=max_tokens, logprobs=logprobs,
@@ -144,7 +182,59 @@ class _SamplingFields(BaseModel):
                 fields[name] = value
         if fields.get("top_k") == -1:  # OpenAI/vLLM clients send -1 for "off"
             fields["top_k"] = 0
+        if self.logit_bias:
+            fields["logit_bias"] = logit_bias(self.logit_bias)
+        for name in ("allowed_token_ids", "bad_words", "truncate_prompt_tokens"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        fields["structured_outputs"] = structured
         return SamplingParams(**fields)
+
+
+CONSTRAINTS = {"json", "regex", "choice", "grammar", "json_object"}
+# with vLLM's options that do not change what is accepted here
+STRUCTURED_FIELDS = CONSTRAINTS | {"disable_fallback", "disable_any_whitespace",
+                                   "disable_additional_properties"}
+
+
+def response_format_spec(value: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str]:
+    """OpenAI's ``response_format`` as a constraint: ``{"type": "json_object"}`` (any JSON
+    object) or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict",
+    "description"}}`` (always enforced strictly). Raises ValueError naming the field."""
+    kind = value.get("type")
+    if kind == "text":
+        return None, ""
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type: must be 'text', 'json_object' or "
+                         f"'json_schema', got {kind!r}")
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: must be an object with 'name' and 'schema'")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise ValueError(f"{where}.name: must be a non-empty string")
+    if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+        raise ValueError(f"{where}.strict: must be true or false")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}.schema: must be a JSON Schema object, got "
+                         f"{type(schema).__name__}")
+    return StructuredOutputsParams(json=schema), where + ".schema"
+
+
+def logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys. Raises
+    ValueError naming the field for a key that is not an integer."""
+    out = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+        out[token] = value
+    return out
 
 
 PromptInput = (StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]])
@@ -166,10 +256,28 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr = "{}"  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -177,6 +285,16 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template and the tool parsers take it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -188,6 +306,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class TokenizeRequest(BaseModel):

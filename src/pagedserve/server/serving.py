@@ -14,6 +14,7 @@ import concurrent.futures
 import functools
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedserve.inputs import InputProcessor, ProcessedPrompt, context_length_error, text_chars
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError, TooManyRequestsError
 from pagedserve.server.errors import RETRY_AFTER_SECONDS, APIError
 from pagedserve.server.protocol import (
@@ -34,6 +35,7 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedserve.server.tool_parsers import ToolParser, check_tools, get_tool_parser
 
 MIN_LOGPROB = -9999.0  # what -inf (and NaN) logprobs are sent as: JSON has no infinities
 # Tokenizer threads: enough that one huge prompt does not hold up the next request's
@@ -132,7 +134,7 @@ def _bad_params(e: ValueError, body: Any, sent_as: str | None = None) -> APIErro
     name = str(e).split(" ", 1)[0].rstrip(":").split("=", 1)[0]
     if sent_as is not None and name == "max_tokens":
         return APIError(400, str(e).replace("max_tokens", sent_as, 1), param=sent_as)
-    if name not in type(body).model_fields:  # e.g. a context-length error: the prompt's
+    if re.split(r"[.\[]", name, maxsplit=1)[0] not in type(body).model_fields:  # e.g. a context-length error: the prompt's
         name = "prompt" if "prompt" in type(body).model_fields else "messages"
     return APIError.bad_input(e, name)
 
@@ -141,8 +143,10 @@ class OpenAIServing:
     """The handlers and their shared state: the engine thread, the input processor (used in
     a worker pool), the model's name and limits."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str):
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str,
+                 tool_call_parser: str = "smollm2"):
         self.engine = async_engine
+        self.tool_parser: ToolParser = get_tool_parser(tool_call_parser)
         self.model_name = served_model_name
         engine = async_engine.engine
         self.inputs: InputProcessor = engine.input_processor
@@ -180,6 +184,19 @@ class OpenAIServing:
         except TooManyRequestsError as e:
             raise APIError(429, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
                            ) from None
+
+    async def compile_grammar(self, params: SamplingParams, sent_as: str) -> None:
+        """Compile the request's grammar in the input workers (cached by spec, so the engine
+        thread only looks it up); a grammar the engine refuses is a 400 naming the field the
+        client sent it in."""
+        if params.structured_outputs is None:
+            return
+        field = "structured_outputs." + params.structured_outputs.kind()[0]
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.inputs.compile_grammar, params)
+        except ValueError as e:
+            raise APIError(400, str(e).replace(field, sent_as, 1), param=sent_as) from None
 
     def guard(self, gen: AsyncIterator[str], ids: list[str]) -> AsyncIterator[str]:
         """An SSE stream that ends with an error event if the engine fails, and aborts its
@@ -335,10 +352,13 @@ class OpenAIServing:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported",
                            param="logprobs")
         try:  # validated even when nothing is generated (echo with max_tokens 0)
-            params = body.sampling_params(max_tokens or None, body.logprobs)
+            spec, sent_as = body.structured_spec()
+            params = body.sampling_params(max_tokens or None, body.logprobs, spec)
         except ValueError as e:
             raise _bad_params(e, body) from None
-        processed = [await self.off_loop(self._prompt_of, p, body.echo, param="prompt")
+        await self.compile_grammar(params, sent_as)
+        processed = [await self.off_loop(self._prompt_of, p, body.echo,
+                                         params.truncate_prompt_tokens, param="prompt")
                      for p in prompts]
         if max_tokens == 0:
             try:
@@ -357,9 +377,10 @@ class OpenAIServing:
         return await _unless_disconnected(request, self.guard_await(
             self._full_completion(body, rid, streams), ids))
 
-    def _prompt_of(self, prompt: Any, echo: bool) -> ProcessedPrompt:
-        """The prompt tokenized and checked; with ``echo`` a token-id prompt gets its text."""
-        p = self.inputs.process_prompt(prompt)
+    def _prompt_of(self, prompt: Any, echo: bool, truncate: int | None) -> ProcessedPrompt:
+        """The prompt tokenized, truncated (``truncate_prompt_tokens``) and checked; with
+        ``echo`` a token-id prompt gets its text."""
+        p = self.inputs.process_prompt(prompt, truncate)
         if echo and p.text is None and self.inputs.tokenizer is not None:
             p = p._replace(text=self.inputs.tokenizer.decode(p.token_ids))
         return p
@@ -470,38 +491,123 @@ class OpenAIServing:
                                 f"{body.top_logprobs}", param="top_logprobs")
         top_k = body.top_logprobs or 0
         try:
-            params = body.sampling_params(max_tokens, top_k if body.logprobs else None)
+            spec, sent_as = body.structured_spec()
+            tools, spec, sent_as = self._tools(body, spec, sent_as)
+            params = body.sampling_params(max_tokens, top_k if body.logprobs else None, spec)
+            template_kwargs = self._template_kwargs(body)
         except ValueError as e:
             raise _bad_params(e, body, field) from None
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text, ids = await self.off_loop(self.inputs.render_chat, messages,
-                                        body.add_generation_prompt, param="messages")
+        await self.compile_grammar(params, sent_as)
+        text, ids = await self.off_loop(self._render, body, tools, template_kwargs,
+                                        param="messages")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-(self.max_model_len if params.truncate_prompt_tokens == -1
+                        else params.truncate_prompt_tokens):]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = _engine_prompt(ProcessedPrompt(text, ids, None), body.cache_salt)
         (stream,) = await self.add([(rid, prompt, params)], body, field)
+        parse = tools is not None
         if body.stream:
-            return EventStream(self.guard(self._stream_chat(body, rid, stream, top_k), [rid]))
+            return EventStream(self.guard(self._stream_chat(body, rid, stream, top_k, parse),
+                                          [rid]))
         return await _unless_disconnected(request, self.guard_await(
-            self._full_chat(body, rid, stream, top_k), [rid]))
+            self._full_chat(body, rid, stream, top_k, parse), [rid]))
 
-    async def _full_chat(self, body: ChatCompletionRequest, rid: str, stream, top_k: int
-                         ) -> dict:
+    def _tools(self, body: ChatCompletionRequest, spec: StructuredOutputsParams | None,
+               sent_as: str) -> tuple[list[dict] | None, StructuredOutputsParams | None, str]:
+        """(the tools the model is shown, or None when tool calls are off; the output
+        constraint; the field it came from). ``tool_choice`` "required" or a named function
+        constrains the output to the tool-call format with valid arguments (the grammar of
+        the tool parser); "auto" leaves the choice to the model and parses its output."""
+        check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        choice = body.tool_choice if body.tool_choice is not None else "auto"
+        if not body.tools or choice == "none":
+            return None, spec, sent_as
+        if choice == "auto":
+            return body.tools, spec, sent_as
+        if spec is not None:
+            raise ValueError(f"tool_choice: a required or named tool call cannot be combined "
+                             f"with {sent_as.split('.')[0]}")
+        if choice == "required":
+            forced, parallel = body.tools, body.parallel_tool_calls is not False
+        else:
+            name = choice["function"]["name"]
+            forced = [t for t in body.tools if t["function"]["name"] == name]
+            parallel = False
+        grammar = self.tool_parser.grammar(forced, parallel)
+        return body.tools, StructuredOutputsParams(grammar=grammar), "tools"
+
+    @staticmethod
+    def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+        """The chat template's options: ``add_generation_prompt``, ``continue_final_message``
+        (vLLM's rules: not both; the last message must be the assistant's) and
+        ``chat_template_kwargs``. Raises ValueError naming the field."""
+        continue_final = body.continue_final_message
+        add = body.add_generation_prompt
+        if continue_final:
+            if add and "add_generation_prompt" in body.model_fields_set:
+                raise ValueError("continue_final_message: cannot be combined with "
+                                 "add_generation_prompt: true")
+            add = False
+            if body.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message: the last message must be the "
+                                 f"assistant's, got role {body.messages[-1].role!r}")
+        extra = dict(body.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs.{reserved[0]}: set by the request itself, "
+                             "not here")
+        return {"add_generation_prompt": add, "continue_final_message": continue_final,
+                **extra}
+
+    def _render(self, body: ChatCompletionRequest, tools: list[dict] | None,
+                kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+        """The conversation through the chat template (in an input worker). A template that
+        knows tools gets them (and earlier calls' arguments as objects); otherwise the tool
+        parser writes tools, calls and results into the messages in the model's format."""
+        messages = [m.as_dict() for m in body.messages]
+        template = getattr(self.inputs.tokenizer, "chat_template", None) or ""
+        if "tools" in template:
+            for m in messages:
+                for call in m.get("tool_calls", ()):
+                    call["function"]["arguments"] = _json_or_text(call["function"]["arguments"])
+            if tools is not None:
+                kwargs = {**kwargs, "tools": tools}
+        else:
+            messages = self.tool_parser.render_messages(messages, tools)
+        add = kwargs.pop("add_generation_prompt")
+        return self.inputs.render_chat(messages, add, **kwargs)
+
+    def _message(self, c: CompletionOutput, parse: bool) -> tuple[dict, str | None]:
+        """(the assistant message of a choice, its finish_reason): with tools, the tool
+        calls the parser finds in the text, and finish_reason "tool_calls"."""
+        if parse:
+            content, calls = self.tool_parser.parse(c.text)
+            if calls:
+                return ({"role": "assistant", "content": content,
+                         "tool_calls": [call.to_openai() for call in calls]}, "tool_calls")
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+
+    async def _full_chat(self, body: ChatCompletionRequest, rid: str, stream, top_k: int,
+                         parse: bool) -> dict:
         out = await _last(stream)
         if (err := _failed(out)) is not None:
             raise err
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": {"content": self.chat_logprobs(c, top_k)}
-                    if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = self._message(c, parse)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": {"content": self.chat_logprobs(c, top_k)}
+                            if body.logprobs else None,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
                 "usage": self.usage(len(out.prompt_token_ids),
                                     sum(len(c.token_ids) for c in out.outputs),
                                     out.num_cached_tokens)}
 
-    async def _stream_chat(self, body: ChatCompletionRequest, rid: str, stream, top_k: int):
+    async def _stream_chat(self, body: ChatCompletionRequest, rid: str, stream, top_k: int,
+                           parse: bool):
         created = int(time.time())
 
         def chunk(choices: list[dict], **extra) -> str:
@@ -515,6 +621,10 @@ class OpenAIServing:
         # nothing until there is text: their logprobs wait here for the next chunk.
         held: dict[int, list[dict]] = {}
         done: set[int] = set()  # choices already sent with their finish_reason
+        # With tools: each choice's text goes through a tool-call streamer, which holds back
+        # what may be a call and releases each call whole once it is complete.
+        streamers = {k: self.tool_parser.streamer() for k in range(body.n)} if parse else {}
+        num_calls: dict[int, int] = {}
         async for out in stream:
             if (err := _failed(out)) is not None:
                 raise err
@@ -525,17 +635,46 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 if body.logprobs:
                     held.setdefault(c.index, []).extend(self.chat_logprobs(c, top_k))
-                if not c.text and c.finish_reason is None:
+                delta: dict[str, Any] = {"content": c.text} if c.text else {}
+                finish_reason = c.finish_reason
+                if parse:
+                    text, calls = streamers[c.index].feed(c.text)
+                    if c.finish_reason is not None:
+                        rest, more = streamers[c.index].finish()
+                        text, calls = text + rest, calls + more
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        first = num_calls.get(c.index, 0)
+                        delta["tool_calls"] = [call.to_openai(index=first + i)
+                                               for i, call in enumerate(calls)]
+                        num_calls[c.index] = first + len(calls)
+                    if finish_reason is not None and num_calls.get(c.index):
+                        finish_reason = "tool_calls"
+                if not delta and finish_reason is None:
                     continue
-                if c.finish_reason is not None:
+                if finish_reason is not None:
                     done.add(c.index)
                 logprobs = {"content": held.pop(c.index, [])} if body.logprobs else None
-                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                              "logprobs": logprobs, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}])
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason, "stop_reason": c.stop_reason}])
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage=self.usage(prompt_tokens, completion_tokens, cached))
         yield DONE
+
+
+# Chat template variables a request sets through its own fields.
+RESERVED_TEMPLATE_KWARGS = {"messages", "conversation", "tools", "documents", "chat_template",
+                            "add_generation_prompt", "continue_final_message", "tokenize",
+                            "return_dict", "return_tensors", "padding", "truncation",
+                            "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+
+
+def _json_or_text(arguments: str) -> Any:
+    """A tool call's arguments as an object for a chat template (as the text if not JSON)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 async def _merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
