@@ -63,10 +63,13 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
         list of conversations, rendered with the model's chat template or ``chat_template``
-        (a Jinja template, as transformers takes it; for a model without one)."""
+        (a Jinja template, as transformers takes it; for a model without one).
+        ``continue_final_message`` continues the final (assistant) message instead of
+        starting a new one (use it with ``add_generation_prompt=False``)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -75,6 +78,8 @@ class LLM:
             kwargs = dict(chat_template_kwargs or {})
             if chat_template is not None:
                 kwargs["chat_template"] = chat_template
+            if continue_final_message:
+                kwargs["continue_final_message"] = True
             text, ids = self.llm_engine.input_processor.render_chat(
                 conv, add_generation_prompt, **kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -155,6 +155,15 @@ class BlockManager:
                     needed += max(0, want - len(table)) + self._needs_copy(seq, table)
         return needed <= self.pool.num_free_blocks - len(evictable_hits)
 
+    def take_hits(self, seq: Sequence, hits: Hits) -> None:
+        """Make ``hits`` (prefix-cache hits, not empty) the first blocks of ``seq``, which
+        holds none yet; ``num_computed_tokens`` jumps past them."""
+        for h in hits:
+            self.pool.touch(_live(h))
+        seq.block_tables = [list(h) for h in hits]
+        seq.num_computed_tokens = self.hit_blocks(hits) * self.block_size
+        seq.num_cached_blocks = self.hit_blocks(hits)
+
     def allocate(self, seq: Sequence, n: int, hits: Hits,
                  copies: list[tuple[int, int]]) -> None:
         """Give ``seq`` the blocks for ``n`` more tokens in every group, after taking
@@ -162,11 +171,7 @@ class BlockManager:
         them). Copy-on-write pairs are appended to ``copies``. Call ``can_allocate`` first;
         raises RuntimeError if the pool runs out."""
         if hits:
-            for h in hits:
-                self.pool.touch(_live(h))
-            seq.block_tables = [list(h) for h in hits]
-            seq.num_computed_tokens = self.hit_blocks(hits) * self.block_size
-            seq.num_cached_blocks = self.hit_blocks(hits)
+            self.take_hits(seq, hits)
         elif not seq.block_tables:
             seq.block_tables = [[] for _ in self.windows]
         else:
@@ -335,6 +340,15 @@ class ContiguousBlockManager(BlockManager):
         runs = list(self.free_runs)
         return all(seq.seq_id in self.reservations or self._first_fit(runs) is not None
                    for seq, _, _ in items)
+
+    def take_hits(self, seq: Sequence, hits: Hits) -> None:
+        """Make ``hits`` (prefix-cache hits, not empty) the first blocks of ``seq``, which
+        holds none yet; ``num_computed_tokens`` jumps past them."""
+        for h in hits:
+            self.pool.touch(_live(h))
+        seq.block_tables = [list(h) for h in hits]
+        seq.num_computed_tokens = self.hit_blocks(hits) * self.block_size
+        seq.num_cached_blocks = self.hit_blocks(hits)
 
     def allocate(self, seq: Sequence, n: int, hits: Hits,
                  copies: list[tuple[int, int]]) -> None:

@@ -138,16 +138,23 @@ class Scheduler:
 
     def _allocate(self, items, out: SchedulerOutput) -> None:
         now = time.time()
-        for seq, n, hits in items:
+        bm = self.block_manager
+        for seq, _, hits in items:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
             if hits or (seq.num_computed_tokens == 0 and not seq.block_tables):
-                hit_tokens = self.block_manager.hit_blocks(hits) * self.block_manager.block_size
+                hit_tokens = bm.hit_blocks(hits) * bm.block_size
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += hit_tokens
                 if seq.request.metrics.num_preemptions == 0 and seq.index == 0:
                     seq.request.num_cached_tokens = hit_tokens
-            self.block_manager.allocate(seq, n, hits, out.blocks_to_copy)
+            if hits:
+                # Every sequence's hits are taken before any block is allocated: allocating
+                # takes free blocks from the front of the queue, which may hold a sibling's
+                # cached hits (siblings under a grammar often have equal blocks).
+                bm.take_hits(seq, hits)
+        for seq, n, _ in items:
+            bm.allocate(seq, n, [], out.blocks_to_copy)
             out.scheduled.append(ScheduledChunk(seq, n))
 
     def schedule(self) -> SchedulerOutput:

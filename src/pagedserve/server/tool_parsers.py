@@ -247,7 +247,8 @@ class ToolParser:
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) for exactly this format's call text with one
         call (or, ``parallel``, one or more), each ``{"name": <one of tools>, "arguments":
-        <an object valid against its parameters>}``, spaced as ``call_text`` spaces it.
+        <an object valid against its parameters>}``, spaced as ``call_text`` spaces it; an
+        object schema without ``additionalProperties`` takes only the declared arguments.
         Raises ValueError if ``tools`` is empty."""
         if not tools:
             raise ValueError("tools: a grammar needs at least one tool")
@@ -258,7 +259,10 @@ class ToolParser:
         for i, tool in enumerate(tools):
             fn = tool["function"]
             # The schema is the root of its own %json, so its "$ref"s to "#/$defs/..." hold.
-            schema = {"type": "object", **(fn.get("parameters") or {}), "x-guidance": JSON_STYLE}
+            # Arguments the function does not declare are not allowed unless the schema says
+            # so: a function cannot take them, and a small model would otherwise invent keys.
+            schema = {"type": "object", "additionalProperties": False,
+                      **(fn.get("parameters") or {}), "x-guidance": JSON_STYLE}
             head = '{"name": ' + lit(fn["name"]) + ', "arguments": '
             lines += [f'call_{i}: {lit(head)} args_{i} "}}"', f"args_{i}: %json {lit(schema)}"]
         return "\n".join(lines) + "\n"
