@@ -176,3 +176,29 @@ def test_prepare_input_marks_prompt_rows_for_prompt_logprobs():
         sched.update_from_output(out)
     # positions 0..8 predict tokens 1..9; the last prompt position predicts the first output
     assert rows == [([0, 1, 2, 3], [(0, 4)]), ([0, 1, 2, 3], [(4, 4)]), ([0], [(8, 1)])]
+
+
+def test_sequences_of_a_request_take_their_hits_before_any_allocates():
+    """A request's sequences admitted together (n > 1 after a recompute preemption): the one
+    without hits must not take (and evict) a sibling's cached hit from the free queue."""
+    from pagedserve.sequence import Sequence
+
+    sched = _scheduler(num_blocks=6, block_size=4, budget=64)
+    bm = sched.block_manager
+    c = _add(sched, 5, "c", first=50)  # its first block, full, is cached when it ends
+    _step(sched)
+    hit = c.block_tables[0][0]
+    bm.free(c)
+    sched.running.clear()
+    d = _add(sched, 16, "d", first=100)  # freed after c: the queue is [c's partial, c's full,
+    _step(sched)                         # d's blocks...]
+    bm.free(d)
+    sched.running.clear()
+    a = make_sequence(list(range(200, 205)), request_id="r", params=SamplingParams(n=2))
+    b = Sequence(1, a.request, 1, list(range(50, 55)))  # c's tokens: its first block is a hit
+    a.request.seqs.append(b)
+    sched.add_request(a.request)
+    sched.schedule()
+    assert b.block_tables[0][0] == hit and b.num_computed_tokens == 4  # the hit was taken
+    assert not set(a.block_tables[0]) & set(b.block_tables[0])
+    bm.pool.check_invariants(a.block_tables + b.block_tables)
