@@ -123,6 +123,32 @@ def test_bad_specs_name_the_field(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_hostile_specs_are_refused_not_fatal(llm):
+    """Compiling recurses as deep as a grammar nests: a chain that overflowed a thread's
+    default stack (killing the process) compiles on the compile thread's stack, a longer
+    spec is refused, and a spec no text matches is refused before it runs."""
+    inputs = llm.llm_engine.input_processor
+    n = 1500  # a "$ref" chain twice as long as the one that crashed on the default stack
+    defs = {f"n{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/n{i + 1}"}}}
+            for i in range(n)}
+    defs[f"n{n}"] = {"type": "integer"}
+    chain = SamplingParams(structured_outputs=S(json={"$defs": defs, "$ref": "#/$defs/n0"}))
+    assert inputs.compile_grammar(chain).new_matcher() is not None
+    rules = "\n".join(f'r{i}: "t{i}" r{i + 1} | "e"' for i in range(10_000))
+    with pytest.raises(ValueError, match="structured_outputs.grammar: the spec has"):
+        inputs.compile_grammar(SamplingParams(structured_outputs=S(
+            grammar=f"start: r0\n{rules}\nr10000: \"end\"")))
+    for spec in (S(regex=r"[^\s\S]"), S(grammar='start: a\na: a "x"')):
+        with pytest.raises(ValueError, match="no text matches it"):
+            inputs.compile_grammar(SamplingParams(structured_outputs=spec))
+    # a grammar and allowed_token_ids that leave nothing: that request fails, alone
+    params = [SamplingParams(max_tokens=4, structured_outputs=S(choice=["yes", "no"]),
+                             allowed_token_ids=[5]), SamplingParams(max_tokens=4)]
+    bad, good = llm.generate(["a", "b"], params, use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and "no token can be generated" in bad.error
+    assert good.outputs[0].finish_reason == "length"
+
+
 def test_logit_bias_allowed_token_ids_and_bad_words(llm):
     base = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     plain = llm.generate("Once upon a time", base, use_tqdm=False)[0].outputs[0].token_ids

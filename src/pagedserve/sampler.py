@@ -142,8 +142,11 @@ def allowed_tokens(seqs: list[Sequence], vocab_size: int, device: torch.device
     if grammar_rows:
         from pagedserve.structured import fill_allowed
 
-        mask[grammar_rows] = fill_allowed([seqs[rows[j]].matcher for j in grammar_rows],
-                                          vocab_size, device)
+        matchers = [seqs[rows[j]].matcher for j in grammar_rows]
+        mask[grammar_rows] = fill_allowed(matchers, vocab_size, device)
+        for m in matchers:  # a limit of the grammar engine hit at run time
+            if m.is_error():
+                raise ValueError(f"the grammar failed: {m.get_error()[:300]}")
     for j, i in enumerate(rows):
         ids = seqs[i].request.params.allowed_token_ids
         if ids is not None:
@@ -163,6 +166,9 @@ def restrict(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     restricted: set[int] = set()
     if md.allowed is not None:
         rows, allowed = md.allowed
+        if not bool(allowed.any(dim=1).all()):
+            raise ValueError("no token can be generated: the grammar (in an error state, or "
+                             "with allowed_token_ids) allows none")
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         restricted.update(rows)
     for row, ids in md.banned:

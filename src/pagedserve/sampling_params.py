@@ -256,14 +256,14 @@ class SamplingParams:
         ids = self.allowed_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not ids
                                 or any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in ids)):
-            fail(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            fail(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r:.200}")
         words = self.bad_words
         if words is not None and (not isinstance(words, (list, tuple))
                                   or len(words) > MAX_STOP_STRINGS
                                   or any(not isinstance(w, str) or not w.strip()
                                          or len(w) > MAX_STOP_STRING_CHARS for w in words)):
             fail(f"bad_words must be a list of at most {MAX_STOP_STRINGS} non-blank strings "
-                 f"of at most {MAX_STOP_STRING_CHARS} characters, got {words!r}")
+                 f"of at most {MAX_STOP_STRING_CHARS} characters, got {words!r:.200}")
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= INT64_MAX)):
             fail(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")

@@ -65,6 +65,9 @@ class SchedulerOutput:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
+MAX_ERROR_CHARS = 300  # of a grammar engine's error, in a request's error message
+
+
 class Scheduler:
     """Owns the waiting, running and swapped queues and the block manager."""
 
@@ -339,7 +342,8 @@ class Scheduler:
             stats.first_token(metrics, len(seq.request.prompt_token_ids))
         metrics.last_token_time = now
         if seq.matcher is not None and not seq.matcher.consume_token(token):
-            raise ValueError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
+            raise ValueError(f"the grammar refused token {token}: "
+                             f"{seq.matcher.get_error()[:MAX_ERROR_CHARS]}")
         seq.append_token(token)
         stats.num_generation_tokens += 1
         metrics.num_generation_tokens = max(metrics.num_generation_tokens,

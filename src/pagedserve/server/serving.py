@@ -154,9 +154,14 @@ class OpenAIServing:
         self.created = int(time.time())
         self.pool = concurrent.futures.ThreadPoolExecutor(NUM_INPUT_WORKERS,
                                                           thread_name_prefix="pagedserve-input")
+        # Grammars compile in a worker of their own: a second-long compile of a huge new
+        # schema then delays only the requests that bring new schemas, never tokenization.
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pagedserve-grammar")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- shared pieces --------------------------------------------------------------------
 
@@ -186,7 +191,7 @@ class OpenAIServing:
                            ) from None
 
     async def compile_grammar(self, params: SamplingParams, sent_as: str) -> None:
-        """Compile the request's grammar in the input workers (cached by spec, so the engine
+        """Compile the request's grammar in the grammar worker (cached by spec, so the engine
         thread only looks it up); a grammar the engine refuses is a 400 naming the field the
         client sent it in."""
         if params.structured_outputs is None:
@@ -194,7 +199,7 @@ class OpenAIServing:
         field = "structured_outputs." + params.structured_outputs.kind()[0]
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self.pool, self.inputs.compile_grammar, params)
+                self.grammar_pool, self.inputs.compile_grammar, params)
         except ValueError as e:
             raise APIError(400, str(e).replace(field, sent_as, 1), param=sent_as) from None
 
@@ -581,11 +586,12 @@ class OpenAIServing:
     def _message(self, c: CompletionOutput, parse: bool) -> tuple[dict, str | None]:
         """(the assistant message of a choice, its finish_reason): with tools, the tool
         calls the parser finds in the text, and finish_reason "tool_calls"."""
-        if parse:
+        if parse:  # the content as a stream sends it: tags and surrounding blanks taken out
             content, calls = self.tool_parser.parse(c.text)
             if calls:
                 return ({"role": "assistant", "content": content,
                          "tool_calls": [call.to_openai() for call in calls]}, "tool_calls")
+            return {"role": "assistant", "content": content or ""}, c.finish_reason
         return {"role": "assistant", "content": c.text}, c.finish_reason
 
     async def _full_chat(self, body: ChatCompletionRequest, rid: str, stream, top_k: int,

@@ -19,6 +19,36 @@ from typing import Any
 import torch
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+# Compiling recurses as deep as the grammar nests (a chain of rules or of "$ref"s): on a
+# thread's default stack a 90 KB chain overflows it and kills the process. Compiles run on a
+# thread with this stack, and a spec may have this many characters: at that size the deepest
+# chain compiles in about a second with room to spare on the stack.
+COMPILE_STACK_BYTES = 256 << 20
+MAX_SPEC_CHARS = 256 * 1024
+_STACK_LOCK = threading.Lock()
+
+
+def _on_big_stack(fn: Any) -> Any:
+    """``fn()`` on a fresh thread with a COMPILE_STACK_BYTES stack; its result or exception."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            result["error"] = e
+
+    with _STACK_LOCK:  # the stack size applies to every thread started meanwhile
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="pagedserve-grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(old)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +66,7 @@ class Grammar:
 
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer; thread-safe, since the server
-    compiles in its input workers, off the engine loop.
+    compiles in its own worker, off the engine loop.
 
     Args:
         tokenizer: a transformers tokenizer. vocab_size: the model's vocabulary (the masks'
@@ -49,6 +79,9 @@ class GrammarCompiler:
 
         self._ll = llguidance
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.vocab_size = vocab_size
+        # short errors: no parser state or grammar text echoed back to clients and logs
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -58,15 +91,30 @@ class GrammarCompiler:
 
         Raises:
             ValueError: ``structured_outputs.<field>: <reason>``: a schema that is not valid
-                JSON Schema, an unsatisfiable or malformed regex, a bad Lark grammar.
+                JSON Schema, a malformed regex, a bad Lark grammar, one no text matches, a
+                spec of more than MAX_SPEC_CHARS characters.
         """
         key = params.cache_key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        m = self._ll.LLMatcher
         field, spec = params.kind()
+        if len(key) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{field}: the spec has {len(key)} characters, "
+                             f"more than the {MAX_SPEC_CHARS} a grammar may have")
+        start = _on_big_stack(lambda: self._compile(field, spec))
+        grammar = Grammar(key, start)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, field: str, spec: Any) -> Any:
+        """The start matcher of one spec (runs on a big stack). Raises ValueError naming
+        ``field`` for a spec llguidance refuses or one that no text satisfies."""
+        m = self._ll.LLMatcher
         try:
             if field in ("json", "json_object"):
                 # NOTE: no free whitespace: under a grammar a small model can otherwise loop
@@ -80,18 +128,20 @@ class GrammarCompiler:
                 text = m.grammar_from_lark(spec)
         except (ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{field}: {e}") from None
-        error = m.validate_grammar(text, self.tokenizer)
+        error = m.validate_grammar(text, self.tokenizer, limits=self._limits)
         if error:
             raise ValueError(f"structured_outputs.{field}: {error.strip()}")
-        start = m(self.tokenizer, text)
-        if start.is_error():
-            raise ValueError(f"structured_outputs.{field}: {start.get_error()}")
-        grammar = Grammar(key, start)
-        with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return grammar
+        start = m(self.tokenizer, text, limits=self._limits)
+        # The first mask: a grammar no text satisfies fails here (llguidance's error then
+        # says "NoExtension..."), or allows nothing but the end without accepting.
+        allowed = fill_allowed([start], self.vocab_size, torch.device("cpu"))[0]
+        allowed[self.tokenizer.eos_token] = False
+        error = start.get_error().replace("<non-verbose/>", "").strip()
+        if start.is_error() and "NoExtension" not in error:
+            raise ValueError(f"structured_outputs.{field}: {error}")
+        if start.is_error() or (not start.is_accepting() and not bool(allowed.any())):
+            raise ValueError(f"structured_outputs.{field}: no text matches it")
+        return start
 
 
 _EXECUTOR: list[Any] = []  # llguidance's thread pool for masks, made on first use
