@@ -114,7 +114,7 @@ class InputProcessor:
     def compile_grammar(self, params: SamplingParams | BeamSearchParams) -> Any:
         """The compiled grammar (``structured.Grammar``) of a request with
         ``structured_outputs``, else None. Compiled once per spec and cached, so the server
-        compiles in its input workers and the engine thread then only finds it.
+        compiles in a worker of its own and the engine thread then only finds it.
 
         Raises:
             ValueError: a spec the grammar engine refuses (naming the field), or a server

@@ -35,7 +35,12 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagedserve.server.tool_parsers import ToolParser, check_tools, get_tool_parser
+from pagedserve.server.tool_parsers import (
+    ToolParser,
+    check_tools,
+    forced_tools,
+    get_tool_parser,
+)
 
 MIN_LOGPROB = -9999.0  # what -inf (and NaN) logprobs are sent as: JSON has no infinities
 # Tokenizer threads: enough that one huge prompt does not hold up the next request's
@@ -525,20 +530,15 @@ class OpenAIServing:
         constrains the output to the tool-call format with valid arguments (the grammar of
         the tool parser); "auto" leaves the choice to the model and parses its output."""
         check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        choice = body.tool_choice if body.tool_choice is not None else "auto"
-        if not body.tools or choice == "none":
+        if not body.tools or body.tool_choice == "none":
             return None, spec, sent_as
-        if choice == "auto":
+        forced = forced_tools(body.tools, body.tool_choice)
+        if forced is None:  # "auto"
             return body.tools, spec, sent_as
         if spec is not None:
             raise ValueError(f"tool_choice: a required or named tool call cannot be combined "
                              f"with {sent_as.split('.')[0]}")
-        if choice == "required":
-            forced, parallel = body.tools, body.parallel_tool_calls is not False
-        else:
-            name = choice["function"]["name"]
-            forced = [t for t in body.tools if t["function"]["name"] == name]
-            parallel = False
+        parallel = body.tool_choice == "required" and body.parallel_tool_calls is not False
         grammar = self.tool_parser.grammar(forced, parallel)
         return body.tools, StructuredOutputsParams(grammar=grammar), "tools"
 
