@@ -10,7 +10,9 @@ first token?
 1. Validity, through a live ``pagedserve serve`` (started here as a subprocess on a free port)
    and the official ``openai`` client: 50 prompts over five pydantic models (nested objects,
    arrays with length bounds, Enum and Literal fields, required fields, numbers with ge/le
-   bounds; ten prompts each, worded differently) sent with
+   bounds and, for decimals, a multiple_of: bounds do not bound a number's digits, and a small
+   model at temperature 0 can write digits until max_tokens; ten prompts each, worded
+   differently) sent with
    ``client.chat.completions.parse(response_format=Model)``, non-streamed and streamed
    (``client.chat.completions.stream(...)``, then ``get_final_completion()``), 16 requests in
    flight at once. Valid: ``.parsed`` is an instance of the model. A reply cut at
@@ -85,7 +87,7 @@ class Person(BaseModel):
 class Item(BaseModel):
     product: str = Field(max_length=40)
     quantity: int = Field(ge=1, le=20)
-    unit_price: float = Field(ge=0, le=1000)
+    unit_price: float = Field(ge=0, le=1000, multiple_of=0.01)
 
 
 class Order(BaseModel):
@@ -106,8 +108,8 @@ class Condition(str, Enum):
 
 class DayForecast(BaseModel):
     day: Literal["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-    high_c: float = Field(ge=-50, le=60)
-    low_c: float = Field(ge=-60, le=50)
+    high_c: float = Field(ge=-50, le=60, multiple_of=0.1)
+    low_c: float = Field(ge=-60, le=50, multiple_of=0.1)
     condition: Condition
 
 
@@ -120,7 +122,7 @@ class Forecast(BaseModel):
 class MovieReview(BaseModel):
     title: str = Field(max_length=80)
     year: int = Field(ge=1900, le=2025)
-    rating: float = Field(ge=0, le=10)
+    rating: float = Field(ge=0, le=10, multiple_of=0.5)
     genres: list[Literal["action", "comedy", "drama", "horror", "sci-fi", "romance",
                          "animation", "documentary"]] = Field(min_length=1, max_length=3)
     recommended: bool
