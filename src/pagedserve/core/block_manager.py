@@ -341,15 +341,6 @@ class ContiguousBlockManager(BlockManager):
         return all(seq.seq_id in self.reservations or self._first_fit(runs) is not None
                    for seq, _, _ in items)
 
-    def take_hits(self, seq: Sequence, hits: Hits) -> None:
-        """Make ``hits`` (prefix-cache hits, not empty) the first blocks of ``seq``, which
-        holds none yet; ``num_computed_tokens`` jumps past them."""
-        for h in hits:
-            self.pool.touch(_live(h))
-        seq.block_tables = [list(h) for h in hits]
-        seq.num_computed_tokens = self.hit_blocks(hits) * self.block_size
-        seq.num_cached_blocks = self.hit_blocks(hits)
-
     def allocate(self, seq: Sequence, n: int, hits: Hits,
                  copies: list[tuple[int, int]]) -> None:
         if not seq.block_tables:
