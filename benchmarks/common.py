@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -154,3 +156,35 @@ def chats(llm: LLM, max_tokens: int) -> tuple[list[list[int]], list[list[float]]
     logprobs = [[e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in outs]
     return tokens, logprobs
+
+
+class Server:
+    """A server process; ``url`` once it answers /health."""
+
+    def __init__(self, cmd: list[str], port: int, log: Path, env: dict | None = None):
+        import httpx
+
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited; see {log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not start; see {log}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

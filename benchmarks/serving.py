@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
-from common import english_text, lognormal_lengths, results_path
+from common import Server, english_text, lognormal_lengths, results_path
 
 
 def hf_dir_from_gguf(gguf: Path) -> Path:
@@ -70,36 +68,6 @@ def make_workload(tokenizer, n: int, output_mean: int, output_max: int, seed: in
         work.append((tokenizer.decode(corpus[offset:offset + p]), o))
         offset += p
     return work
-
-
-class Server:
-    """A server process; ``url`` once it answers /health."""
-
-    def __init__(self, cmd: list[str], port: int, log: Path, env: dict | None = None):
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited; see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"{cmd[0]} did not start; see {log}")
-            time.sleep(1)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str,

@@ -52,7 +52,6 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +61,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from common import commit_kv_cache, positive, results_path
+from common import Server, commit_kv_cache, positive, results_path
 from pydantic import BaseModel, Field, ValidationError
 
 from pagedserve.cli import parse_bytes
@@ -293,52 +292,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """``pagedserve serve`` on a free port; ``client`` once /health answers."""
+class BenchServer:
+    """``pagedserve serve`` on a free port (``common.Server``) with an openai ``client``."""
 
     API_KEY = "structured-bench"
 
     def __init__(self, dtype: str, log: Path):
-        import httpx
         import openai
 
         self.port = free_port()
-        self.log_path = log
-        self.log = open(log, "w")
-        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(self.port),
-               "--dtype", dtype, "--api-key", self.API_KEY]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited; see {log}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start; see {log}")
-            time.sleep(0.5)
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key=self.API_KEY,
+        self.server = Server([sys.executable, "-m", "pagedserve.cli", "serve", "--port",
+                              str(self.port), "--dtype", dtype, "--api-key", self.API_KEY],
+                             self.port, log)
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key=self.API_KEY,
                                     max_retries=0, timeout=600)
         self.model = self.client.models.list().data[0].id
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.server.stop()
 
 
 # ------------------------------------------------------------------ 1. validity
 
 
-def parsed_request(server: Server, model: type[BaseModel], prompt: str, max_tokens: int,
+def parsed_request(server: BenchServer, model: type[BaseModel], prompt: str, max_tokens: int,
                    temperature: float) -> dict:
     """``chat.completions.parse``; the raw reply is kept, so that a failure shows it."""
     from openai import LengthFinishReasonError
@@ -360,7 +337,7 @@ def parsed_request(server: Server, model: type[BaseModel], prompt: str, max_toke
     return row
 
 
-def streamed_request(server: Server, model: type[BaseModel], prompt: str, max_tokens: int,
+def streamed_request(server: BenchServer, model: type[BaseModel], prompt: str, max_tokens: int,
                      temperature: float) -> dict:
     """``chat.completions.stream`` and ``get_final_completion()``; the streamed text is
     collected from the raw chunks too, so that a failure shows it."""
@@ -393,7 +370,7 @@ def streamed_request(server: Server, model: type[BaseModel], prompt: str, max_to
     return row
 
 
-def prompted_request(server: Server, model: type[BaseModel], prompt: str, max_tokens: int,
+def prompted_request(server: BenchServer, model: type[BaseModel], prompt: str, max_tokens: int,
                      temperature: float) -> dict:
     """No ``response_format``: the schema is in the prompt."""
     r = server.client.chat.completions.create(
@@ -414,7 +391,7 @@ def prompted_request(server: Server, model: type[BaseModel], prompt: str, max_to
             "valid_unfenced": as_is or ok(strip_fence(content)), "error": None}
 
 
-def guided_request(server: Server, kind: str, prompt: str, spec, max_tokens: int,
+def guided_request(server: BenchServer, kind: str, prompt: str, spec, max_tokens: int,
                    temperature: float) -> dict:
     r = server.client.chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": prompt}],
@@ -468,7 +445,7 @@ def describe(job: tuple) -> dict:
     return {f"guided_{what}": rest[0], "prompt": prompt}
 
 
-def validity(server: Server, args) -> list[dict]:
+def validity(server: BenchServer, args) -> list[dict]:
     items = validity_prompts(args.prompts_per_model)
     mt, temp = args.max_tokens, args.temperature
     suites = [
@@ -494,7 +471,7 @@ def validity(server: Server, args) -> list[dict]:
 # ------------------------------------------------------------------ 3. compile cost on TTFT
 
 
-def ttft_ms(server: Server, response_format: dict | None) -> float:
+def ttft_ms(server: BenchServer, response_format: dict | None) -> float:
     extra = {"response_format": response_format} if response_format else {}
     t0 = time.perf_counter()
     stream = server.client.chat.completions.create(
@@ -512,7 +489,7 @@ def json_schema_format(schema: dict, name: str) -> dict:
                                                    "strict": True}}
 
 
-def compile_ttft(server: Server, n: int) -> dict:
+def compile_ttft(server: BenchServer, n: int) -> dict:
     """``n`` of each kind, interleaved; the new schemas are Order's with a property renamed."""
     from openai.lib._pydantic import to_strict_json_schema
 
@@ -817,7 +794,7 @@ def main() -> None:
     if {"validity", "ttft"} - set(args.skip):
         log = Path(tempfile.gettempdir()) / "pagedserve-structured-bench.log"
         print(f"starting pagedserve serve (log: {log})", flush=True)
-        server = Server(args.dtype, log)
+        server = BenchServer(args.dtype, log)
         try:
             report["model"] = server.model
             if "validity" not in args.skip:

@@ -510,9 +510,6 @@ class OpenAIServing:
         await self.compile_grammar(params, sent_as)
         text, ids = await self.off_loop(self._render, body, tools, template_kwargs,
                                         param="messages")
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-(self.max_model_len if params.truncate_prompt_tokens == -1
-                        else params.truncate_prompt_tokens):]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = _engine_prompt(ProcessedPrompt(text, ids, None), body.cache_salt)
         (stream,) = await self.add([(rid, prompt, params)], body, field)
