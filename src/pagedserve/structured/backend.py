@@ -10,6 +10,7 @@ bitmask of tokens allowed next.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -100,8 +101,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         field, spec = params.kind()
-        if len(key) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs.{field}: the spec has {len(key)} characters, "
+        # the spec as the client wrote it: a regex or grammar's text, a schema's compact JSON
+        size = len(spec) if isinstance(spec, str) else len(json.dumps(spec, separators=(",", ":")))
+        if size > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{field}: the spec has {size} characters, "
                              f"more than the {MAX_SPEC_CHARS} a grammar may have")
         start = _on_big_stack(lambda: self._compile(field, spec))
         grammar = Grammar(key, start)
