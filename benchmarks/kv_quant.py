@@ -35,7 +35,7 @@ from common import chats, text_logprobs, text_windows
 from pagedserve import LLM, SamplingParams, planner
 from pagedserve.loader.fetched import default_model_path
 
-MODES = ("float32", "bfloat16", "float16", "int8", "fp8")
+MODES = ("float32", "bfloat16", "float16", "int8", "fp8", "int4")
 
 
 def decode_throughput(llm: LLM, prompts: list[list[int]], max_tokens: int = 64) -> float:
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per chat")
     ap.add_argument("--memory", type=float, default=1.0, help="KV memory in GiB per mode")
     ap.add_argument("--rounds", type=int, default=3, help="throughput rounds per mode")
+    ap.add_argument("--block-size", type=int, default=32, help="KV block size of every mode")
     ap.add_argument("--output", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
 
@@ -66,7 +67,7 @@ def main() -> None:
     rows, ref, engines = [], None, {}
     for mode in args.modes:
         llm = LLM(model, dtype=args.dtype, kv_cache_dtype=mode, kv_cache_memory=memory,
-                  max_model_len=2048)
+                  max_model_len=2048, block_size=args.block_size)
         if ref is None:
             windows = text_windows(llm.get_tokenizer(), args.text_tokens, args.window)
         t0 = time.perf_counter()

@@ -42,6 +42,11 @@ def all_blocks_returned():
         assert stats.num_used_blocks == 0, f"{stats.num_used_blocks} blocks still in use"
         assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
         eng.block_manager.pool.check_invariants([])
+        bm = eng.block_manager  # a quantized cache's open rows are all back too
+        if bm.open_rows is not None:
+            assert sorted(bm.open_rows) == list(range(eng.kv_cache.num_open))
+            assert bm.host_open_rows is None or \
+                sorted(bm.host_open_rows) == list(range(eng.kv_cache.num_open))
 
 
 def _tiny_model_fixture(arch: str):

@@ -28,19 +28,25 @@ def test_worked_example_13b():
     assert gqa.kv_bytes_per_token * 4 == p.kv_bytes_per_token  # 4x GQA: 4x less KV
     int8 = make_plan(PRESETS["llama-2-13b"], 80 * GB, weights_dtype="fp16",
                      kv_cache_dtype="int8", weight_bytes=26 * GB)
-    # 8 bits halve fp16's bytes, plus one 2-byte scale per token and KV head for K and V
-    assert int8.kv_bytes_per_token == p.kv_bytes_per_token // 2 + 2 * 40 * 40 * 2
+    # 8 bits halve fp16's bytes; per layer and KV head, a 32-token block (a quantized
+    # cache's default) adds a 2-byte scale and offset per K channel and a 2-byte V scale per
+    # token
+    assert int8.block_size == 32
+    assert int8.kv_bytes_per_token == p.kv_bytes_per_token // 2 + 40 * 40 * (
+        2 * 2 * 128 // 32 + 2)
 
 
-def test_8bit_kv_blocks_against_16_and_32_bit():
-    """SmolLM2 (head_dim 64): an 8-bit block costs 64 + 2 bytes per head where float16 costs
-    128 and float32 256, so the same memory holds 1.94x and 3.88x the blocks."""
+def test_quantized_kv_tokens_against_16_and_32_bit():
+    """SmolLM2 (head_dim 64), per layer and KV head: an 8-bit token costs 64 + 64 bytes of K
+    and V codes plus, in its 32-token block, 4 * 64 / 32 bytes of K scales and offsets and 2
+    of V scale (138 in all) where float16 costs 256 and float32 512; int4 costs 74."""
     shape, memory = PRESETS["smollm2-135m"], 8 * GiB
-    blocks = {kv: make_plan(shape, memory, weights_dtype="fp32", kv_cache_dtype=kv).num_blocks
-              for kv in ("fp32", "fp16", "int8", "fp8")}
-    assert blocks["int8"] == blocks["fp8"]
-    assert blocks["int8"] / blocks["fp16"] == pytest.approx(128 / 66, rel=1e-3)
-    assert blocks["int8"] / blocks["fp16"] >= 1.9 and blocks["int8"] / blocks["fp32"] >= 3.8
+    tokens = {kv: make_plan(shape, memory, weights_dtype="fp32", kv_cache_dtype=kv).tokens_max
+              for kv in ("fp32", "fp16", "int8", "fp8", "int4")}
+    assert tokens["int8"] == tokens["fp8"]
+    assert tokens["int8"] / tokens["fp16"] == pytest.approx(256 / 138, rel=1e-3)
+    assert tokens["int8"] / tokens["fp32"] >= 3.7 and tokens["int4"] / tokens["fp32"] >= 6.9
+    assert tokens["int4"] / tokens["fp32"] == pytest.approx(512 / 74, rel=1e-3)
 
 
 @pytest.mark.parametrize("shape, dtype, per_token", [
@@ -80,7 +86,8 @@ def test_levers():
     by = {name.split(" (")[0]: conc for name, _, conc in rows}
     base = by["baseline"]
     assert by["without GQA"] == pytest.approx(base / 4, rel=0.01)
-    assert by["fp8 KV cache"] == pytest.approx(base * 256 / 130, rel=1e-3)  # scales included
+    # scales included: 256 + (4 * 128 + 2 * 32) / 32 bytes per layer, KV head and token
+    assert by["fp8 KV cache"] == pytest.approx(base * 512 / 274, rel=1e-3)
     # 8 requests share 992 tokens (62 full blocks): 8 * 2000 - 7 * 992 tokens per group
     assert by["prefix sharing"] == pytest.approx(base * 2000 * 8 / (8 * 2000 - 7 * 992))
     assert by["max_model_len cap 4096"] == pytest.approx(by["every request at max_model_len"] * 2,
@@ -98,12 +105,17 @@ def test_engine_blocks_equal_the_planners(tiny_llama, dtype, kv_cache_dtype):
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     itemsize = 1 if kv_dtype in ("int8", "fp8") else \
         torch.tensor([], dtype=getattr(torch, kv_dtype)).element_size()
-    per_token = planner.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads,
-                                           shape.head_dim, itemsize,
-                                           2 if kv_dtype in ("int8", "fp8") else 0)
-    assert llm.kv_cache_stats().num_blocks == planner.num_blocks(memory, per_token, 8)
-    # the cache really takes the bytes the planner counts (scales included)
-    assert llm.llm_engine.kv_cache.nbytes == per_token * 8 * llm.kv_cache_stats().num_blocks
+    block = planner.kv_block_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                   itemsize, 8, planner.kv_param_bytes(kv_dtype, shape.head_dim, 8))
+    assert llm.kv_cache_stats().num_blocks == planner.num_blocks(memory, block)
+    # the cache really takes the bytes the planner counts (scales included), plus a quantized
+    # cache's open rows (one per sequence)
+    cache = llm.llm_engine.kv_cache
+    opened = cache.num_open * planner.open_block_bytes(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, torch.finfo(
+            getattr(torch, dtype)).bits // 8, 8, kv_dtype)
+    assert cache.nbytes == block * llm.kv_cache_stats().num_blocks + opened
+    assert (opened > 0) == (kv_dtype in ("int8", "fp8"))
     plan = make_plan(shape, memory + 1000, weights_dtype=dtype, weight_bytes=1000,
                      block_size=8, kv_cache_dtype=kv_cache_dtype)
     assert plan.num_blocks == llm.kv_cache_stats().num_blocks

@@ -525,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: the model's context length")
     pl.add_argument("--max-model-len-cap", type=int, default=None,
                     help="show the lever of capping max_model_len at this length")
-    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--block-size", type=int, default=None,
+                    help="default 16, or 32 for a quantized KV cache (as the engine)")
     pl.add_argument("--shared-prefix-tokens", type=int, default=0)
     pl.add_argument("--num-sharing", type=int, default=1,
                     help="requests that share the prefix")

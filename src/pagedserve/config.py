@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = ARCHITECTURES
 
 # The one dtype table: every accepted name -> (canonical name, bytes per element). Model
-# weights take the float names; KV caches also the 8-bit ones; the planner also int4.
+# weights take the float names; KV caches also int8, fp8 and int4.
 DTYPES: dict[str, tuple[str, float]] = {
     "float32": ("float32", 4), "fp32": ("float32", 4), "float": ("float32", 4),
     "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
@@ -32,7 +32,7 @@ DTYPES: dict[str, tuple[str, float]] = {
     "fp8": ("fp8", 1), "fp8_e4m3": ("fp8", 1), "int8": ("int8", 1), "int4": ("int4", 0.5),
 }
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int8", "int4")
 KV_CACHE_DTYPE_NAMES = ("auto", *(a for a, (c, _) in DTYPES.items() if c in KV_CACHE_DTYPES))
 QUANTIZATIONS = ("int4",)  # weight-only quantization methods (pagedserve.model.quant)
 
@@ -127,8 +127,9 @@ def hf_attention_windows(cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ..
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each, stored as
-    ``kv_cache_dtype`` (resolved: "float32", "bfloat16", "float16", "fp8" or "int8"), shared
-    by KV groups with these sliding ``windows`` (None: full attention; kv/spec.py)."""
+    ``kv_cache_dtype`` (resolved: "float32", "bfloat16", "float16", "fp8", "int8" or
+    "int4"), shared by KV groups with these sliding ``windows`` (None: full attention;
+    kv/spec.py)."""
 
     block_size: int
     num_blocks: int
@@ -182,7 +183,9 @@ class EngineArgs:
     dtype: str = _opt("auto", "weights and activations: auto (float32 on CPU, bfloat16 on "
                               "CUDA), float32, bfloat16 or float16")
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
-    block_size: int = _opt(16, "token slots per KV block")
+    block_size: int | None = _opt(None, "token slots per KV block (default 16, or 32 for a "
+                                        "quantized KV cache: its per-block K scales cost half "
+                                        "as much and it keeps more greedy continuations)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's "
                                            "limit, or the KV capacity if smaller)")
     max_num_seqs: int = _opt(128, "most sequences running at once (a request counts n, or its "
@@ -207,8 +210,9 @@ class EngineArgs:
                                 choices=("recompute", "swap"))
     swap_space: float = _opt(4.0, "host swap pool in GiB (with preemption_mode swap)")
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the model's dtype), float32, "
-                                       "bfloat16, float16, or 8 bits with a scale per token "
-                                       "and KV head: int8, fp8 (e4m3)",
+                                       "bfloat16, float16, or quantized with K scaled per "
+                                       "block and channel, V per token: int8, fp8 (e4m3), "
+                                       "int4",
                                 choices=KV_CACHE_DTYPE_NAMES)
     disable_hybrid_kv_cache_manager: bool = _opt(
         False, "keep every layer's K/V for the whole sequence; by default a model with "
@@ -225,6 +229,9 @@ class EngineArgs:
                                      aliases=("-tp",))
 
     def __post_init__(self) -> None:
+        if self.block_size is None:
+            quantized = DTYPES.get(self.kv_cache_dtype, ("",))[0] in ("int8", "fp8", "int4")
+            self.block_size = 32 if quantized else 16
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size"):
             _positive(name, getattr(self, name))

@@ -95,11 +95,12 @@ class LLMEngine:
         bs, blocks, max_len = args.block_size, sizing.num_kv_blocks, sizing.max_model_len
         self.cache_config = CacheConfig(bs, blocks, spec.name, sizing.layout.windows)
         self.scheduler_config = args.scheduler_config(max_len)
+        rows = self.kv_cache.num_open  # a quantized cache's open-block rows
         if args.kv_allocator == "contiguous":  # the pre-paging baseline, no prefix caching
-            self.block_manager = ContiguousBlockManager(blocks, bs, cdiv(max_len, bs))
+            self.block_manager = ContiguousBlockManager(blocks, bs, cdiv(max_len, bs), rows)
         else:
             self.block_manager = BlockManager(blocks, bs, args.enable_prefix_caching,
-                                              sizing.num_swap_blocks, sizing.layout.windows)
+                                              sizing.num_swap_blocks, sizing.layout.windows, rows)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, args.preemption_mode)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
                                               self.scheduler_config, self.cache_config,

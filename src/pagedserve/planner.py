@@ -1,13 +1,18 @@
 """KV-cache capacity planning: the arithmetic operators size deployments with, from a model's
 real shape, and the one source of the engine's own KV sizing.
 
-    kv_bytes_per_token = 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
+    block_bytes        = num_layers * num_kv_heads * (2 * block_size * head_dim * dtype_bytes
+                                                      + param_bytes)
+    kv_bytes_per_token = block_bytes / block_size
     kv_budget          = memory - weights - activation overhead        (per worker under TP)
-    num_blocks         = kv_budget // (kv_bytes_per_token * block_size)
+    num_blocks         = kv_budget // block_bytes
     tokens_max         = num_blocks * block_size
     concurrency        = tokens_max / tokens per request
 
-``scale_bytes`` is 2 for an 8-bit cache (one bfloat16 scale per token and KV head), else 0.
+``param_bytes`` is 0 for a full-precision cache and ``4 * head_dim + 2 * block_size`` for a
+quantized one (int8, fp8, int4: K's scale and offset per block and channel, V's scale per
+token; kv/quant.py), whose running sequences also hold their open block's K unquantized
+(``open_block_bytes`` each, counted with the activation overhead).
 A model with sliding-window layers (Gemma 3) is paged in KV groups (kv/spec.py ``KVLayout``):
 its window layers hold at most the blocks their window reaches, so a sequence of n tokens
 costs ``blocks_per_seq(n) * bytes per block`` instead of ``n * kv_bytes_per_token``, and its
@@ -27,12 +32,14 @@ from typing import Any
 
 from pagedserve.config import DTYPES, KV_CACHE_DTYPES, hf_attention_windows
 from pagedserve.kv.spec import (  # noqa: F401  (the planner's public arithmetic)
-    KV_SCALE_BYTES,
+    QUANTIZED_KV,
+    kv_block_bytes,
     kv_bytes_per_token,
     kv_heads_per_worker,
     kv_layout,
-    kv_scale_bytes,
+    kv_param_bytes,
     num_blocks,
+    open_block_bytes,
 )
 
 GB, GiB = 10**9, 2**30
@@ -219,12 +226,16 @@ class Plan:
 
 def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf16",
               kv_cache_dtype: str = "auto", overhead_bytes: int = 0, avg_tokens: int = 2000,
-              max_model_len: int | None = None, block_size: int = 16,
+              max_model_len: int | None = None, block_size: int | None = None,
               tensor_parallel_size: int = 1, weight_bytes: int | None = None) -> Plan:
     """The figures for ``shape`` on one accelerator of ``memory_bytes`` per worker.
 
-    ``weight_bytes`` overrides the estimate from the parameter count. Raises ValueError for a
-    bad value or when the weights and overhead leave no room for a single block."""
+    ``weight_bytes`` overrides the estimate from the parameter count; ``block_size`` defaults
+    as the engine's does (16, or 32 for a quantized KV cache). Raises ValueError for a bad
+    value or when the weights and overhead leave no room for a single block."""
+    if block_size is None:
+        quantized = DTYPES.get(kv_cache_dtype, ("",))[0] in QUANTIZED_KV
+        block_size = 32 if quantized else 16
     for name, value in (("memory", memory_bytes), ("avg_tokens", avg_tokens),
                         ("block_size", block_size), ("tensor_parallel_size",
                                                      tensor_parallel_size)):
@@ -247,10 +258,10 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
     total = weight_bytes if weight_bytes is not None else int(shape.num_params * w_bytes)
     per_worker = total // tensor_parallel_size
     budget = memory_bytes - per_worker - overhead_bytes
-    per_token = kv_bytes_per_token(shape.num_layers,
-                                   kv_heads_per_worker(shape.num_kv_heads, tensor_parallel_size),
-                                   shape.head_dim, dtype_bytes(kv_dtype),
-                                   kv_scale_bytes(kv_dtype))
+    heads = kv_heads_per_worker(shape.num_kv_heads, tensor_parallel_size)
+    params = kv_param_bytes(kv_dtype, shape.head_dim, block_size)
+    per_token = kv_bytes_per_token(shape.num_layers, heads, shape.head_dim,
+                                   dtype_bytes(kv_dtype), params, block_size)
     if budget < per_token * block_size:
         raise ValueError(
             f"{shape.name}: {_both(memory_bytes)} per worker holds no KV cache: the weights "
@@ -258,17 +269,20 @@ def make_plan(shape: ModelShape, memory_bytes: int, *, weights_dtype: str = "bf1
     full_avg = -(-avg_tokens // block_size) * block_size * per_token
     full_max = -(-max_model_len // block_size) * block_size * per_token
     if not shape.layer_windows or set(shape.layer_windows) == {None}:
-        blocks = num_blocks(budget, per_token, block_size)
+        block_bytes = kv_block_bytes(shape.num_layers, heads, shape.head_dim,
+                                     dtype_bytes(kv_dtype), block_size, params)
+        blocks = num_blocks(budget, block_bytes)
         tokens = blocks * block_size
         return Plan(shape.name, memory_bytes, weights_dtype, kv_dtype, tensor_parallel_size,
                     block_size, avg_tokens, max_model_len, shape.num_params, total, per_worker,
-                    overhead_bytes, per_token, per_token * block_size, budget, blocks, tokens,
+                    overhead_bytes, per_token, block_bytes, budget, blocks, tokens,
                     tokens / avg_tokens, tokens / max_model_len, "", per_token * avg_tokens,
                     full_avg, per_token * max_model_len, full_max)
     # a block holds ``slots`` layers of one KV group; sequences are counted in blocks
     layout = kv_layout(list(shape.layer_windows))
-    block_bytes = per_token // shape.num_layers * layout.slots * block_size
-    blocks = budget // block_bytes
+    block_bytes = kv_block_bytes(layout.slots, heads, shape.head_dim, dtype_bytes(kv_dtype),
+                                 block_size, params)
+    blocks = num_blocks(budget, block_bytes)
     held_avg = layout.blocks_per_seq(avg_tokens, block_size, 1)
     held_max = layout.blocks_per_seq(max_model_len, block_size, 1)
     return Plan(shape.name, memory_bytes, weights_dtype, kv_dtype, tensor_parallel_size,
@@ -311,7 +325,7 @@ def levers(shape: ModelShape, memory_bytes: int, shared_prefix_tokens: int = 0,
                           **{**kwargs, "weight_bytes": base.weight_bytes_total})
         rows.append(("without window paging (every layer's K/V kept whole)", whole,
                      whole.concurrency_avg))
-    for kv in ("fp8", "int8"):
+    for kv in ("fp8", "int8", "int4"):
         if kwargs.get("kv_cache_dtype", "auto") != kv:
             p = make_plan(shape, memory_bytes, **{**kwargs, "kv_cache_dtype": kv})
             rows.append((f"{kv} KV cache", p, p.concurrency_avg))

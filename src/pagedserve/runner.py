@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata, build_group
+from pagedserve.attention.metadata import AttentionMetadata, build_group, build_open_blocks
+from pagedserve.core.block_manager import OpenRowOps
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.kv.cache import KVCache
 from pagedserve.model.llama import LlamaForCausalLM
@@ -71,11 +72,15 @@ class ModelInput:
     """One step as plain data (lists of ints, picklable): what every tensor-parallel rank needs
     to run the same forward. ``slot_mapping``: per KV group, each token's cache row;
     ``groups``: per attention group, (query_lens, seq_lens, block tables per KV group);
-    ``sample_rows`` / ``prompt_rows``: token rows projected to logits."""
+    ``sample_rows`` / ``prompt_rows``: token rows projected to logits; ``open_rows`` per
+    attention group, each request's open-block row (a quantized cache), and ``open_ops`` the
+    moves of those rows to do first."""
 
     blocks_to_swap_out: list[tuple[int, int]]
     blocks_to_swap_in: list[tuple[int, int]]
     blocks_to_copy: list[tuple[int, int]]
+    open_ops: OpenRowOps = field(default_factory=OpenRowOps)
+    open_rows: list[list[int]] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slot_mapping: list[list[int]] = field(default_factory=list)
@@ -92,7 +97,8 @@ def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 
     logits), and an output naming the sequences whose logits it will carry (not yet
     filled). Reads the sequences; changes none."""
     out = ModelRunnerOutput()
-    inp = ModelInput(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+    inp = ModelInput(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
+                     sched.open_rows)
     groups = split_decodes([(s, n) for s, n in sched.scheduled if n == 1])
     prefills = [(s, n) for s, n in sched.scheduled if n > 1]
     if prefills:
@@ -118,6 +124,7 @@ def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 
     inp.groups = [([n for _, n in g], [s.num_computed_tokens + n for s, n in g],
                    [[s.block_tables[k] for s, _ in g] for k in range(num_kv_groups)])
                   for g in groups]
+    inp.open_rows = [[s.open_row for s, _ in g] for g in groups]
     return inp, out
 
 
@@ -134,6 +141,7 @@ class ModelRunner:
         cfg = model.config
         self.num_queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
         self._workspaces: dict[str, torch.Tensor | None] = {"k": torch.empty(0)}
+        self._tail: torch.Tensor | None = None  # OpenBlocks.tail, grown, never shrunk
 
     def _workspace(self, rows: int) -> dict[str, torch.Tensor | None]:
         """Gather buffers (AttentionMetadata's ``*_workspace``) with at least ``rows`` blocks;
@@ -141,15 +149,15 @@ class ModelRunner:
         ws = self._workspaces
         if ws["k"].shape[0] < rows:
             spec, dev = self.kv_cache.spec, self.device
-            shape = (max(rows, int(ws["k"].shape[0] * 1.5)), *self.kv_cache.kv.shape[3:])
+            cfg = self.model.config
+            shape = (max(rows, int(ws["k"].shape[0] * 1.5)), self.block_size,
+                     self.kv_cache.kv.shape[4], cfg.head_dim)
             ws = {"k": torch.empty(shape, dtype=spec.compute_dtype, device=dev),
                   "v": torch.empty(shape, dtype=spec.compute_dtype, device=dev),
-                  "raw": None, "scale": None}
+                  "raw": None}
             if spec.storage_dtype != spec.compute_dtype:
-                ws["raw"] = torch.empty(shape, dtype=spec.storage_dtype, device=dev)
-            if self.kv_cache.scales is not None:
-                ws["scale"] = torch.empty(shape[:-1], dtype=self.kv_cache.scales.dtype,
-                                          device=dev)
+                ws["raw"] = torch.empty((*shape[:3], self.kv_cache.kv.shape[5]),
+                                        dtype=spec.storage_dtype, device=dev)
             self._workspaces = ws
         return ws
 
@@ -168,17 +176,29 @@ class ModelRunner:
             self.kv_cache.swap_in(inp.blocks_to_swap_in)
         if inp.blocks_to_copy:
             self.kv_cache.copy_blocks(inp.blocks_to_copy)
+        if inp.open_ops:
+            self.kv_cache.move_open(inp.open_ops.copies, inp.open_ops.swap_out,
+                                    inp.open_ops.swap_in)
         if not inp.input_ids:
             return None, None
-        dev = self.device
-        attn_groups = [build_group(q, s, t, self.block_size, self.num_queries_per_kv, dev)
-                       for q, s, t in inp.groups]
+        dev, open_blocks = self.device, None
+        open_keys: list = [None] * len(inp.groups)
+        if self.kv_cache.spec.quantized:
+            cfg = self.model.config
+            open_blocks, tails = build_open_blocks(
+                inp.groups, inp.open_rows, self.block_size, self._tail,
+                self.kv_cache.kv.shape[4], cfg.head_dim, self.kv_cache.spec.compute_dtype, dev,
+                decode_tails=self.model.ops is None)  # the kernels read decodes' open rows
+            self._tail = open_blocks.tail
+            open_keys = [(*t, rows) for t, rows in zip(tails, inp.open_rows)]
+        attn_groups = [build_group(q, s, t, self.block_size, self.num_queries_per_kv, dev, o)
+                       for (q, s, t), o in zip(inp.groups, open_keys)]
         ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
         md = AttentionMetadata(
             slot_mapping=[torch.tensor(s, dtype=torch.int64, device=dev)
                           for s in inp.slot_mapping],
             groups=attn_groups, k_workspace=ws["k"], v_workspace=ws["v"],
-            raw_workspace=ws["raw"], scale_workspace=ws["scale"],
+            raw_workspace=ws["raw"], open_blocks=open_blocks,
         )
         hidden = self.model(torch.tensor(inp.input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(inp.positions, dtype=torch.int64, device=dev),

@@ -72,6 +72,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     swap_tables: list[list[int]] = field(default_factory=list)
+    # A quantized cache's open-block rows (kv/quant.py), device and host; -1: none held.
+    open_row: int = -1
+    host_open_row: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None

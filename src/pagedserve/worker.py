@@ -20,10 +20,11 @@ from pagedserve.core.block_manager import cdiv
 from pagedserve.distributed.parallel_state import TPGroup, local_config
 from pagedserve.kv.cache import (
     KVCache,
+    block_bytes,
     default_kv_cache_memory,
     kv_bytes_per_token,
     num_blocks_for_memory,
-    slot_bytes_per_token,
+    open_rows_bytes,
 )
 from pagedserve.kv.quant import KVCacheSpec, resolve_kv_cache_dtype
 from pagedserve.kv.spec import KVLayout, kv_layout
@@ -48,6 +49,7 @@ class ShardOptions:
     num_swap_blocks: int
     max_model_len: int
     hybrid_kv: bool = True
+    num_open: int = 0  # a quantized cache's open-block rows: one per sequence (max_num_seqs)
 
 
 def model_kv_layout(cfg: ModelConfig, hybrid: bool) -> KVLayout:
@@ -83,7 +85,7 @@ def finish_shard(net: LlamaForCausalLM, shard: ShardOptions, tp: TPGroup) -> KVC
     spec = resolve_kv_cache_dtype(shard.kv_cache_dtype, next(net.parameters()).dtype)
     return KVCache.allocate(local_config(net.config, tp), shard.num_kv_blocks, shard.block_size,
                             spec, device, shard.num_swap_blocks,
-                            model_kv_layout(net.config, shard.hybrid_kv))
+                            model_kv_layout(net.config, shard.hybrid_kv), shard.num_open)
 
 
 def build_worker(shard: ShardOptions, tp: TPGroup) -> ModelRunner:
@@ -116,7 +118,7 @@ def size_kv_cache(args: EngineArgs, shard: ModelConfig, spec: KVCacheSpec, model
     split between the ranks on this host), and ``max_model_len`` (default: the model's limit
     or the longest sequence the blocks hold, if shorter). Raises ValueError naming the numbers
     when they do not fit."""
-    per_token = kv_bytes_per_token(shard, spec)  # per worker: 1/N of the KV heads
+    per_token = kv_bytes_per_token(shard, spec, args.block_size)  # per worker: 1/N of the KV heads
     layout = model_kv_layout(shard, hybrid=not args.disable_hybrid_kv_cache_manager
                              and args.kv_allocator == "paged")
     bs, chunk = args.block_size, args.max_num_batched_tokens
@@ -128,7 +130,7 @@ def size_kv_cache(args: EngineArgs, shard: ModelConfig, spec: KVCacheSpec, model
         num_kv_blocks = num_blocks_for_memory(memory, shard, bs, spec, layout)
         if num_kv_blocks < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes holds no block of "
-                             f"{slot_bytes_per_token(shard, spec, layout) * bs} bytes")
+                             f"{block_bytes(shard, spec, layout, bs)} bytes")
     source = "num_kv_blocks" if args.num_kv_blocks is not None else "kv_cache_memory"
     capacity = layout.max_tokens(num_kv_blocks, bs, chunk)
     max_model_len = args.max_model_len
@@ -148,8 +150,7 @@ def size_kv_cache(args: EngineArgs, shard: ModelConfig, spec: KVCacheSpec, model
             f"{num_kv_blocks}; lower max_model_len or raise {source}")
     num_swap_blocks = 0
     if args.preemption_mode == "swap":
-        num_swap_blocks = int(args.swap_space * 2**30) // (
-            slot_bytes_per_token(shard, spec, layout) * bs)
+        num_swap_blocks = int(args.swap_space * 2**30) // block_bytes(shard, spec, layout, bs)
     return KVSizing(num_kv_blocks, max_model_len, num_swap_blocks, per_token, layout)
 
 
@@ -169,7 +170,7 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
     options = ShardOptions(str(source.path), str(dtype).removeprefix("torch."), str(device),
                            args.quantization, spec.name, sizing.num_kv_blocks, args.block_size,
                            sizing.num_swap_blocks, sizing.max_model_len,
-                           sizing.layout.is_hybrid)
+                           sizing.layout.is_hybrid, args.max_num_seqs if spec.quantized else 0)
     if driver is not None:
         driver.send(options)
         tp = device_group(tp, options.device)
@@ -196,6 +197,12 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
             "KV cache: %d bytes per token (%s), %d blocks of %d tokens (%.2f GiB), capacity %d "
             "tokens, max concurrency %.2fx at max_model_len=%d", sizing.kv_bytes_per_token,
             spec.name, blocks, bs, gib, blocks * bs, blocks * bs / max_len, max_len)
+    if options.num_open:
+        logger.info("KV cache: %s K of each sequence's open block held unquantized until it "
+                    "fills: %d rows (max_num_seqs) of %.1f MiB, %.1f MiB in all (included above)",
+                    options.dtype, options.num_open,
+                    open_rows_bytes(local_config(cfg, tp), spec, bs, 1) / 2**20,
+                    open_rows_bytes(local_config(cfg, tp), spec, bs, options.num_open) / 2**20)
     return runner, sizing
 
 

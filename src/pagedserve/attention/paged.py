@@ -3,10 +3,11 @@
 New K/V are written to their slots through ``slot_mapping``; each group of requests then
 gathers its blocks through the block tables into a workspace and runs
 ``scaled_dot_product_attention`` with the group's mask. One call serves a mixed batch of
-decodes and prefill chunks (queries over cached context plus the new tokens, causal). An 8-bit cache is quantized
-on the write and dequantized into the workspace on the gather (kv/quant.py), so attention
-itself always runs in the model's dtype; every query, the new tokens' own included, reads K/V
-as the cache holds them.
+decodes and prefill chunks (queries over cached context plus the new tokens, causal). A
+quantized cache (kv/quant.py) is written through ``write_kv_quantized`` and dequantized into
+the workspace on the gather, so attention itself always runs in the model's dtype: every query
+reads the blocks before its own block quantized and its own block unquantized (the group's
+tail keys, AttentionGroup).
 """
 
 from __future__ import annotations
@@ -14,54 +15,94 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedserve.attention.metadata import AttentionGroup, AttentionMetadata, OpenBlocks
 from pagedserve.kv.cache import LayerKVCache
-from pagedserve.kv.quant import dequantize, quantize
+from pagedserve.kv.quant import (
+    dequantize_blocks,
+    dequantize_rows,
+    quantize_blocks,
+    quantize_rows,
+)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
              slot_mapping: torch.Tensor) -> None:
-    """Store ``k``/``v`` [num_tokens, num_kv_heads, head_dim] into the cache's
+    """Store ``k``/``v`` [num_tokens, num_kv_heads, head_dim] into a full-precision cache's
     [num_blocks, block_size, num_kv_heads, head_dim] tensors at rows ``slot_mapping``
-    [num_tokens], quantized (with their scales) for an 8-bit cache."""
+    [num_tokens]."""
     num_kv_heads, head_dim = cache.k.shape[2], cache.k.shape[3]
-    for new, data, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
-        if scales is None:
-            data.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
-                                                              new.to(data.dtype))
-        else:
-            q, s = quantize(new, cache.spec.name)
-            data.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, q)
-            scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, s)
+    for new, data in ((k, cache.k), (v, cache.v)):
+        data.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new.to(data.dtype))
 
 
-def _gather(data: torch.Tensor, scales: torch.Tensor | None, cache: LayerKVCache,
-            block_ids: torch.Tensor, out: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-    """Blocks ``block_ids`` of ``data`` -> ``out`` [rows, block_size, num_kv_heads, head_dim] in
-    the model's dtype (through the raw workspaces when the cache stores another dtype)."""
+def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                       ob: OpenBlocks) -> None:
+    """Store a step's new K/V [num_tokens, num_kv_heads, head_dim] in a quantized cache: into
+    ``ob.tail`` after the open rows written before, then every block the step fills quantized
+    from the tail, and the new rows of each request's last block kept in its open row
+    (kv/quant.py)."""
+    name, block_size = cache.spec.name, cache.k.shape[1]
+    for new, tail, opened in ((k, ob.tail[0], cache.k_open), (v, ob.tail[1], cache.v_open)):
+        opened = opened.view(-1, *opened.shape[2:])
+        if ob.old_src.numel():
+            tail.index_copy_(0, ob.old_dst, opened.index_select(0, ob.old_src))
+        tail.index_copy_(0, ob.new_dst, new.to(tail.dtype))  # every token: new_src is all
+        opened.index_copy_(0, ob.upd_dst, tail.index_select(0, ob.upd_src))
+    if ob.fill_rows.numel():
+        ids = ob.fill_blocks[cache.group]
+        blocks = ob.tail[:, ob.fill_rows].view(2, -1, block_size, *ob.tail.shape[2:])
+        codes, scale, zero = quantize_blocks(blocks[0], name)  # K per channel
+        cache.k.index_copy_(0, ids, codes)
+        cache.k_scale.index_copy_(0, ids, scale)
+        cache.k_zero.index_copy_(0, ids, zero)
+        codes, scale = quantize_rows(blocks[1], name)  # V per token
+        cache.v.index_copy_(0, ids, codes)
+        cache.v_scale.index_copy_(0, ids, scale)
+
+
+def _gather(data: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor,
+            md: AttentionMetadata) -> torch.Tensor:
+    """Blocks ``block_ids`` of a full-precision ``data`` -> ``out`` [rows, block_size,
+    num_kv_heads, head_dim] in the model's dtype (through the raw workspace when the cache
+    stores another dtype)."""
     rows = out.shape[0]
     if data.dtype == out.dtype:
         return torch.index_select(data, 0, block_ids, out=out)
-    raw = torch.index_select(data, 0, block_ids, out=md.raw_workspace[:rows])
-    if scales is None:
-        return out.copy_(raw)
-    s = torch.index_select(scales, 0, block_ids, out=md.scale_workspace[:rows])
-    return dequantize(raw, s, cache.spec.name, out=out)
+    return out.copy_(torch.index_select(data, 0, block_ids, out=md.raw_workspace[:rows]))
+
+
+def _gather_quantized(cache: LayerKVCache, block_ids: torch.Tensor, k_out: torch.Tensor,
+                      v_out: torch.Tensor, md: AttentionMetadata) -> None:
+    """Blocks ``block_ids`` of a quantized cache, dequantized into ``k_out``/``v_out``."""
+    rows, name = k_out.shape[0], cache.spec.name
+    raw = torch.index_select(cache.k, 0, block_ids, out=md.raw_workspace[:rows])
+    dequantize_blocks(raw, cache.k_scale.index_select(0, block_ids),
+                      cache.k_zero.index_select(0, block_ids), name, out=k_out)
+    raw = torch.index_select(cache.v, 0, block_ids, out=md.raw_workspace[:rows])
+    dequantize_rows(raw, cache.v_scale.index_select(0, block_ids), name, out=v_out)
 
 
 def _attend_group(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
                   md: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] of one group -> output of the same shape."""
-    _, block_size, num_kv_heads, head_dim = cache.k.shape
+    _, block_size, num_kv_heads, head_dim = cache.v.shape[:3] + (q.shape[-1],)
     num_heads = q.shape[1]
     n_q = num_heads // num_kv_heads
     b, qlen, max_len = g.num_seqs, g.max_query_len, g.max_blocks * block_size
     rows = b * g.max_blocks
     ids = g.block_ids[cache.group]
-    k = _gather(cache.k, cache.k_scale, cache, ids, md.k_workspace[:rows], md)
-    v = _gather(cache.v, cache.v_scale, cache, ids, md.v_workspace[:rows], md)
-    k = k.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = v.view(b, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    k, v = md.k_workspace[:rows], md.v_workspace[:rows]
+    if cache.spec.quantized:
+        _gather_quantized(cache, ids, k, v, md)
+        # then the tail keys: the requests' own blocks, unquantized
+        tail = md.open_blocks.tail[:, g.tail_offset:g.tail_offset + b * g.tail_len]
+        tail = tail.view(2, b, g.tail_len, num_kv_heads, head_dim)
+        k = torch.cat([k.view(b, max_len, num_kv_heads, head_dim), tail[0]], 1)
+        v = torch.cat([v.view(b, max_len, num_kv_heads, head_dim), tail[1]], 1)
+    else:
+        k = _gather(cache.k, ids, k, md).view(b, max_len, num_kv_heads, head_dim)
+        v = _gather(cache.v, ids, v, md).view(b, max_len, num_kv_heads, head_dim)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     mask = g.window_mask(window)
     if g.query_index is None:  # decodes: one query per request, G rows per KV head
         out = F.scaled_dot_product_attention(
@@ -87,7 +128,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     Returns:
         [num_tokens, num_heads, head_dim], in the token order of ``q``.
     """
-    write_kv(k, v, cache, md.slot_mapping[cache.group])
+    if cache.spec.quantized:
+        write_kv_quantized(k, v, cache, md.open_blocks)
+    else:
+        write_kv(k, v, cache, md.slot_mapping[cache.group])
     if len(md.groups) == 1:
         return _attend_group(q, cache, md.groups[0], md, scale, window)
     outs, start = [], 0
@@ -97,18 +141,56 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     return torch.cat(outs)
 
 
+KERNEL_KIND = {"int8": 0, "fp8": 1, "int4": 2}  # the quantized kernels' ``kind``
+
+
+def rotary_write_kv_quantized(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                              cache: LayerKVCache, md: AttentionMetadata, num_heads: int,
+                              ops) -> torch.Tensor:
+    """The CPU kernel's write of a quantized cache (``ops.rotary_write_kv_quant``: rotary, the
+    open rows, the blocks that fill), plus the tails of the step's prefill groups (OpenBlocks
+    built with ``decode_tails`` False). qkv [T, (H + 2 KVH) D] -> the rotated queries
+    [T, H, D] float32."""
+    ob = md.open_blocks
+    kvh, hd = cache.k_open.shape[2:]
+    k_out = None
+    if ob.new_dst.numel():  # the prefill groups' tails: the open rows before they change
+        for tail, opened in ((ob.tail[0], cache.k_open), (ob.tail[1], cache.v_open)):
+            if ob.old_src.numel():
+                tail.index_copy_(0, ob.old_dst, opened.view(-1, kvh, hd).index_select(
+                    0, ob.old_src))
+        k_out = torch.empty(qkv.shape[0], kvh, hd)
+    q = ops.rotary_write_kv_quant(qkv, rope[0], rope[1], md.slot_mapping[cache.group],
+                                  ob.seq_starts, ob.seq_open_rows, cache.k_open, cache.v_open,
+                                  cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale,
+                                  k_out, num_heads, kvh, KERNEL_KIND[cache.spec.name],
+                                  torch.float32)
+    if k_out is not None:  # then the new rows
+        v = qkv[:, (num_heads + kvh) * hd:].view(-1, kvh, hd)
+        ob.tail[0].index_copy_(0, ob.new_dst, k_out.index_select(0, ob.new_src))
+        ob.tail[1].index_copy_(0, ob.new_dst, v.index_select(0, ob.new_src).float())
+    return q
+
+
 def paged_attention_fused(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
                           scale: float, ops, out_dtype: torch.dtype, window: int | None = None
                           ) -> torch.Tensor:
-    """Attention over a cache the new K/V are already in (``ops.rotary_write_kv`` wrote them):
-    decode groups run ``ops.paged_decode_attention``, which reads the blocks in place (a
+    """Attention over a cache the new K/V are already in (``ops.rotary_write_kv`` or
+    ``write_kv_quantized`` wrote them): decode groups run ``ops.paged_decode_attention`` (a
+    quantized cache ``ops.paged_decode_attention_quant``), which reads the blocks in place (a
     sliding-window layer's only its window); prefill groups the torch path above.
     q [num_tokens, num_heads, head_dim] float32 -> the same shape of ``out_dtype``."""
     outs, start = [], 0
     for g in md.groups:
         gq = q[start:start + g.num_tokens]
         start += g.num_tokens
-        if g.query_index is None:
+        if g.query_index is None and cache.spec.quantized:
+            outs.append(ops.paged_decode_attention_quant(
+                gq, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.k_open,
+                cache.v_open,
+                g.block_ids[cache.group].view(g.num_seqs, g.max_blocks), g.seq_lens,
+                g.open_rows, scale, out_dtype, window or 0, KERNEL_KIND[cache.spec.name]))
+        elif g.query_index is None:
             outs.append(ops.paged_decode_attention(
                 gq, cache.k, cache.v, g.block_ids[cache.group].view(g.num_seqs, g.max_blocks),
                 g.seq_lens,

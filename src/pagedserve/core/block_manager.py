@@ -18,12 +18,18 @@
   (copy-on-write); the copy is recorded as (src, dst) for the runner to perform.
 - Swap (sec. 4.5): all blocks of a request move to a host pool and back into any free blocks;
   blocks shared between its sequences stay shared.
+- Open-block rows (a quantized cache only, kv/quant.py): each sequence holding blocks also
+  holds one row of the cache's ``k_open`` (``Sequence.open_row``), where its open block's K
+  stays unquantized until the block fills. A fork copies its parent's row, swap moves it to a
+  host row and back; the moves wait in ``open_ops`` until the scheduler hands them to the
+  runner with the next step.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagedserve.core.block_pool import BlockPool, hash_block
 from pagedserve.kv.spec import NULL_BLOCK, cdiv
@@ -39,12 +45,33 @@ def _live(table: list[int]) -> list[int]:
     return [b for b in table if b != NULL_BLOCK]
 
 
+@dataclass
+class OpenRowOps:
+    """Moves of open-block rows for the runner, each a (source, destination) row pair, done
+    in this order before the step's forward: ``copies`` device -> device (forks),
+    ``swap_out`` device -> host, ``swap_in`` host -> device."""
+
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.swap_out or self.swap_in)
+
+
 class BlockManager:
     """Allocates, shares, copies, swaps and frees the blocks of each sequence's block tables
-    (one per KV group; ``windows[g]``: group g's sliding window, None for full attention)."""
+    (one per KV group; ``windows[g]``: group g's sliding window, None for full attention), and,
+    with ``num_open`` > 0 (a quantized cache), the sequences' open-block rows."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, windows: tuple[int | None, ...] = (None,)):
+                 num_swap_blocks: int = 0, windows: tuple[int | None, ...] = (None,),
+                 num_open: int = 0):
+        # free open-block rows, device and host (stacks: the last freed is reused first)
+        self.open_rows = list(range(num_open - 1, -1, -1)) if num_open else None
+        self.host_open_rows = list(range(num_open - 1, -1, -1)) \
+            if num_open and num_swap_blocks else None
+        self.open_ops = OpenRowOps()
         self.block_size = block_size
         self.windows = tuple(windows)
         self.windowed = [g for g, w in enumerate(self.windows) if w is not None]
@@ -69,6 +96,28 @@ class BlockManager:
     def first_needed(self, window: int, position: int) -> int:
         """First block a window group needs for queries at ``position`` and later."""
         return max(0, position - window + 1) // self.block_size
+
+    # ---- open-block rows (quantized caches) ----------------------------------------------
+
+    def _take_open_row(self, seq: Sequence) -> None:
+        if self.open_rows is None or seq.open_row >= 0:
+            return
+        if not self.open_rows:
+            raise RuntimeError("no open-block row is free (more sequences than max_num_seqs)")
+        seq.open_row = self.open_rows.pop()
+
+    def _drop_open_rows(self, seq: Sequence) -> None:
+        if seq.open_row >= 0:
+            self.open_rows.append(seq.open_row)
+            seq.open_row = -1
+        if seq.host_open_row >= 0:
+            self.host_open_rows.append(seq.host_open_row)
+            seq.host_open_row = -1
+
+    def take_open_ops(self) -> OpenRowOps:
+        """The open-row moves recorded since the last call (the runner does them next)."""
+        ops, self.open_ops = self.open_ops, OpenRowOps()
+        return ops
 
     # ---- prefix caching -------------------------------------------------------------------
 
@@ -170,6 +219,7 @@ class BlockManager:
         ``hits`` as its first blocks (prefix-cache hits: ``num_computed_tokens`` jumps past
         them). Copy-on-write pairs are appended to ``copies``. Call ``can_allocate`` first;
         raises RuntimeError if the pool runs out."""
+        self._take_open_row(seq)
         if hits:
             self.take_hits(seq, hits)
         elif not seq.block_tables:
@@ -218,6 +268,9 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (one more reference each)."""
+        self._take_open_row(child)
+        if parent.open_row >= 0:
+            self.open_ops.copies.append((parent.open_row, child.open_row))
         for table in parent.block_tables:
             self.pool.touch(_live(table))
         child.block_tables = [list(t) for t in parent.block_tables]
@@ -227,6 +280,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return all of a sequence's blocks, tail first, and empty its block tables."""
+        if self.open_rows is not None:
+            self._drop_open_rows(seq)
         for table in seq.block_tables:
             self.pool.free(_live(table)[::-1])
         seq.block_tables = []
@@ -244,6 +299,15 @@ class BlockManager:
         distinct = list(dict.fromkeys(b for s in seqs for t in s.block_tables for b in _live(t)))
         if self.swap_pool is None or len(distinct) > self.swap_pool.num_free_blocks:
             return None
+        if self.open_rows is not None:
+            holders = [s for s in seqs if s.open_row >= 0]
+            if len(holders) > len(self.host_open_rows):
+                return None
+            for s in holders:
+                s.host_open_row = self.host_open_rows.pop()
+                self.open_ops.swap_out.append((s.open_row, s.host_open_row))
+                self.open_rows.append(s.open_row)
+                s.open_row = -1
         host = dict(zip(distinct, self.swap_pool.allocate(len(distinct))))
         host[NULL_BLOCK] = NULL_BLOCK
         for s in seqs:
@@ -283,6 +347,9 @@ class BlockManager:
                     # of h sequences writing into one shared partial block, h - 1 copy it
                     needed += last_holders[t[-1]] > 1
                     last_holders[t[-1]] -= 1
+        if self.open_rows is not None and \
+                sum(s.host_open_row >= 0 for s in seqs) > len(self.open_rows):
+            return False
         return needed <= self.pool.num_free_blocks
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
@@ -295,6 +362,11 @@ class BlockManager:
             device.update(zip(distinct, self.pool.allocate(len(distinct), g)))
         for s in seqs:
             s.block_tables = [[device[b] for b in t] for t in s.swap_tables]
+            if s.host_open_row >= 0:
+                s.open_row = self.open_rows.pop()
+                self.open_ops.swap_in.append((s.host_open_row, s.open_row))
+                self.host_open_rows.append(s.host_open_row)
+                s.host_open_row = -1
         for s in seqs:
             for t in s.block_tables:
                 self.pool.touch(_live(t))
@@ -315,8 +387,10 @@ class ContiguousBlockManager(BlockManager):
     when it ends. Admission waits until a long enough run is free, so growth never fails.
     No prefix caching, forks or swap (one sequence per request)."""
 
-    def __init__(self, num_blocks: int, block_size: int, blocks_per_seq: int):
-        super().__init__(num_blocks, block_size, enable_prefix_caching=False)
+    def __init__(self, num_blocks: int, block_size: int, blocks_per_seq: int,
+                 num_open: int = 0):
+        super().__init__(num_blocks, block_size, enable_prefix_caching=False,
+                         num_open=num_open)
         if not 1 <= blocks_per_seq <= num_blocks:
             raise ValueError(f"a reservation of {blocks_per_seq} blocks does not fit the "
                              f"{num_blocks} blocks of the cache")
@@ -343,6 +417,7 @@ class ContiguousBlockManager(BlockManager):
 
     def allocate(self, seq: Sequence, n: int, hits: Hits,
                  copies: list[tuple[int, int]]) -> None:
+        self._take_open_row(seq)
         if not seq.block_tables:
             seq.block_tables = [[]]
         if seq.seq_id not in self.reservations:

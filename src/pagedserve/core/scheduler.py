@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pagedserve.config import SchedulerConfig
-from pagedserve.core.block_manager import NULL_BLOCK, BlockManager, cdiv
+from pagedserve.core.block_manager import NULL_BLOCK, BlockManager, OpenRowOps, cdiv
 from pagedserve.sequence import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -59,10 +59,12 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    open_rows: OpenRowOps = field(default_factory=OpenRowOps)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.open_rows)
 
 
 MAX_ERROR_CHARS = 300  # of a grammar engine's error, in a request's error message
@@ -162,6 +164,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._schedule(out)
+        out.open_rows = self.block_manager.take_open_ops()
+        return out
+
+    def _schedule(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         i = 0
@@ -180,13 +187,13 @@ class Scheduler:
                 continue
             break
         if out.preempted:
-            return out  # memory is short right now: admit nothing new
+            return  # memory is short right now: admit nothing new
         while self.swapped:  # swapped requests come back before new ones are admitted
             request = self.swapped[0]
             seqs = request.live_seqs
             if (self.num_seats() + request.max_num_seqs > self.config.max_num_seqs
                     or not bm.can_swap_in(seqs, self.config.max_num_batched_tokens)):
-                return out
+                return
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(seqs)
             for s in seqs:
@@ -209,7 +216,6 @@ class Scheduler:
             self.running.append(request)
             self._allocate(items, out)
             budget -= sum(n for _, n, _ in items)
-        return out
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         seqs = request.live_seqs
@@ -378,20 +384,20 @@ class Scheduler:
         beams = request.seqs
         chosen = request.beam.step(logits.log_softmax(dim=-1),
                                    [b.output_token_ids for b in beams], beams[0].num_tokens)
-        continued: set[int] = set()
-        next_beams = []
+        continued = {parent for parent, _ in chosen}
+        for i, beam in enumerate(beams):  # first, so the forks never outnumber the beams
+            if i not in continued:
+                self.block_manager.free(beam)
+        next_beams, seen = [], set()
         for parent, token in chosen:  # best first, the order transformers keeps its beams in
-            if parent in continued:
+            if parent in seen:
                 child = new_sequence(request, 0, list(beams[parent].token_ids))
                 child.status = SequenceStatus.RUNNING
                 self.block_manager.fork(beams[parent], child)
                 next_beams.append((child, token))
             else:
-                continued.add(parent)
+                seen.add(parent)
                 next_beams.append((beams[parent], token))
-        for i, beam in enumerate(beams):
-            if i not in continued:
-                self.block_manager.free(beam)
         for seq, token in next_beams:  # after the forks copied their parents' tokens
             seq.append_token(token)
         stats.num_generation_tokens += len(next_beams)

@@ -2,6 +2,8 @@
 #include "ops.h"
 #include "common.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+
 namespace OPS_NAMESPACE {
 
 // Per token t: rotary embedding of the heads + kv_heads query and key heads of
@@ -265,6 +267,430 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
                                     out.data_ptr<decltype(o_tag)>(), batch, heads, kv_heads,
                                     d, block_size, max_blocks, static_cast<float>(scale),
                                     window);
+      });
+    });
+  });
+  return out;
+}
+
+// ---- the quantized cache's write (kv/quant.py) ----------------------------------------
+
+// The half-range scale of kv/quant.py: bfloat16, rounded up from half / qmax (as float32
+// math, the way torch computes it), at least 1e-30.
+inline c10::BFloat16 round_up_scale(float half, double qmax) {
+  const float factor = static_cast<float>((1.0 + 1.0 / 128) / qmax);
+  return c10::BFloat16(std::max(half * factor, 1e-30f));
+}
+
+// code (already within +-qmax) -> its stored form: int8, e4m3 bits, or a nibble (code + 8)
+template <int KIND>
+inline uint8_t encode(float code) {
+  if constexpr (KIND == 0)
+    return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(code)));
+  else if constexpr (KIND == 1)
+    return c10::Float8_e4m3fn(code).x;
+  else
+    return static_cast<uint8_t>(std::nearbyint(code) + 8.f);
+}
+
+template <int KIND>
+constexpr double kind_qmax() {
+  return KIND == 0 ? 127.0 : KIND == 1 ? 448.0 : 7.0;
+}
+
+// Stores one code of a row of codes (two per byte for int4).
+template <int KIND>
+inline void put_code(uint8_t* row, int64_t c, float code) {
+  const uint8_t e = encode<KIND>(code);
+  if constexpr (KIND == 2)
+    row[c / 2] = c % 2 ? static_cast<uint8_t>((row[c / 2] & 0x0F) | (e << 4))
+                       : static_cast<uint8_t>((row[c / 2] & 0xF0) | e);
+  else
+    row[c] = e;
+}
+
+// Quantizes the full block held in open rows k/v [block_size, kv_heads, d] into block
+// ``block`` of the codes: K per channel with offset, V per token (kv/quant.py's formulas, in
+// the same float32 steps as its torch code, so both store the same bytes).
+template <int KIND, typename R>
+void quantize_open_block(const R* k, const R* v, uint8_t* k_codes, uint8_t* v_codes,
+                         c10::BFloat16* k_scale, c10::BFloat16* k_zero,
+                         c10::BFloat16* v_scale, int64_t block, int64_t block_size,
+                         int64_t kv_heads, int64_t d) {
+  constexpr double qmax = kind_qmax<KIND>();
+  const float fq = static_cast<float>(qmax);
+  const int64_t cd = KIND == 2 ? d / 2 : d, row = kv_heads * d, crow = kv_heads * cd;
+  uint8_t* kc = k_codes + block * block_size * crow;
+  uint8_t* vc = v_codes + block * block_size * crow;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t c = 0; c < d; ++c) {  // K: channel c of head h over the block's tokens
+      float lo = static_cast<float>(k[h * d + c]), hi = lo;
+      for (int64_t t = 1; t < block_size; ++t) {
+        const float x = static_cast<float>(k[t * row + h * d + c]);
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+      const c10::BFloat16 zero((lo + hi) * 0.5f);
+      const float zf = static_cast<float>(zero);
+      const c10::BFloat16 scale = round_up_scale(std::max(hi - zf, zf - lo), qmax);
+      const float sf = static_cast<float>(scale);
+      k_zero[(block * kv_heads + h) * d + c] = zero;
+      k_scale[(block * kv_heads + h) * d + c] = scale;
+      for (int64_t t = 0; t < block_size; ++t) {
+        const float x = static_cast<float>(k[t * row + h * d + c]);
+        put_code<KIND>(kc + t * crow + h * cd, c, std::clamp((x - zf) / sf, -fq, fq));
+      }
+    }
+    for (int64_t t = 0; t < block_size; ++t) {  // V: token t's row of head h
+      const R* x = v + t * row + h * d;
+      float absmax = 0.f;
+      for (int64_t c = 0; c < d; ++c) absmax = std::max(absmax, std::abs(static_cast<float>(x[c])));
+      const c10::BFloat16 scale = round_up_scale(absmax, qmax);
+      const float sf = static_cast<float>(scale);
+      v_scale[(block * block_size + t) * kv_heads + h] = scale;
+      for (int64_t c = 0; c < d; ++c)
+        put_code<KIND>(vc + t * crow + h * cd, c,
+                       std::clamp(static_cast<float>(x[c]) / sf, -fq, fq));
+    }
+  }
+}
+
+// Rotary (as rotary_write_kv) of each token's q and k heads, then its K/V written to row
+// slot % block_size of its sequence's open row; a token that completes its block (the row's
+// last slot) has the block quantized into block slot / block_size. Sequences run in parallel,
+// each one's tokens in order (seq_starts [S + 1], open_rows [S]).
+template <int KIND, typename I, typename R, typename Q>
+void rotary_write_kv_quant_rows(const I* qkv, const float* cos, const float* sin,
+                                const int64_t* slots, const int64_t* seq_starts,
+                                const int64_t* open_rows, int64_t num_seqs, R* k_open,
+                                R* v_open, uint8_t* k_codes, uint8_t* v_codes,
+                                c10::BFloat16* k_scale, c10::BFloat16* k_zero,
+                                c10::BFloat16* v_scale, Q* q, float* k_out, int64_t heads,
+                                int64_t kv_heads, int64_t d, int64_t block_size) {
+  const int64_t half = d / 2, kv = kv_heads * d, width = (heads + 2 * kv_heads) * d;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(std::max(d, kv)), y(d);
+    for (int64_t s = begin; s < end; ++s) {
+      R* ko = k_open + open_rows[s] * block_size * kv;
+      R* vo = v_open + open_rows[s] * block_size * kv;
+      for (int64_t t = seq_starts[s]; t < seq_starts[s + 1]; ++t) {
+        const float* c = cos + t * d;
+        const float* sn = sin + t * d;
+        const I* src = qkv + t * width;
+        const int64_t r = slots[t] % block_size;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+          convert(src + h * d, x.data(), d);
+          for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + x[i + half] * sn[i];
+          for (int64_t i = half; i < d; ++i) y[i] = x[i] * c[i] + x[i - half] * sn[i];
+          if (h < heads) {
+            convert(y.data(), q + (t * heads + h) * d, d);
+          } else {
+            convert(y.data(), ko + r * kv + (h - heads) * d, d);
+            if (k_out != nullptr) std::copy(y.begin(), y.end(), k_out + t * kv + (h - heads) * d);
+          }
+        }
+        convert(src + (heads + kv_heads) * d, vo + r * kv, kv);
+        if (r == block_size - 1)
+          quantize_open_block<KIND>(ko, vo, k_codes, v_codes, k_scale, k_zero, v_scale,
+                                    slots[t] / block_size, block_size, kv_heads, d);
+      }
+    }
+  });
+}
+
+// The quantized cache's write (kv/quant.py): qkv [T, (H + 2 KVH) D] and cos/sin_signed
+// [T, D] as in rotary_write_kv; slot_mapping [T] int64 (each token's cache slot);
+// seq_starts [S + 1] int64 (sequence s's tokens are seq_starts[s] .. seq_starts[s + 1] - 1,
+// in position order) and open_rows [S] int64 (its open row); k_open/v_open [rows, block_size,
+// KVH, D] float32 or bfloat16; k_codes/v_codes [N, block_size, KVH, CD] one-byte; k_scale/
+// k_zero [N, KVH, D] and v_scale [N, block_size, KVH] bfloat16; kind 0 int8, 1 fp8, 2 int4.
+// k_out, if given, [T, KVH, D] float32 receives the rotated keys. Returns the rotated queries
+// [T, H, D] of q_dtype.
+Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                             const Tensor& slot_mapping, const Tensor& seq_starts,
+                             const Tensor& open_rows, Tensor k_open, Tensor v_open,
+                             Tensor k_codes, Tensor v_codes, Tensor k_scale, Tensor k_zero,
+                             Tensor v_scale, const std::optional<Tensor>& k_out,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t kind,
+                             at::ScalarType q_dtype) {
+  const char* name = "rotary_write_kv_quant";
+  TORCH_CHECK(kind >= 0 && kind <= 2, name, ": kind must be 0 (int8), 1 (fp8) or 2 (int4)");
+  const int64_t d = k_open.size(3), tokens = qkv.size(0), block_size = k_open.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, name,
+              ": qkv must be [T, (H + 2 KVH) D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.numel() == tokens * d && sin.numel() == tokens * d,
+              name, ": cos/sin must be float32 [T, D]");
+  TORCH_CHECK(k_open.is_contiguous() && v_open.is_contiguous() &&
+                  v_open.sizes() == k_open.sizes() &&
+                  v_open.scalar_type() == k_open.scalar_type() && k_open.size(2) == num_kv_heads,
+              name, ": k_open/v_open must be contiguous [rows, block_size, KVH, D] alike");
+  const int64_t num_blocks = k_codes.size(0), cd = kind == 2 ? d / 2 : d;
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() &&
+                  k_codes.sizes() == at::IntArrayRef({num_blocks, block_size, num_kv_heads, cd}) &&
+                  v_codes.sizes() == k_codes.sizes() && k_codes.element_size() == 1 &&
+                  v_codes.element_size() == 1,
+              name, ": k_codes/v_codes must be contiguous one-byte [N, block_size, KVH, CD]");
+  for (const Tensor* t : {&k_scale, &k_zero, &v_scale})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16, name,
+                ": scales and offsets must be contiguous bfloat16");
+  TORCH_CHECK(k_scale.sizes() == at::IntArrayRef({num_blocks, num_kv_heads, d}) &&
+                  k_zero.sizes() == k_scale.sizes() &&
+                  v_scale.sizes() == at::IntArrayRef({num_blocks, block_size, num_kv_heads}),
+              name, ": k_scale/k_zero [N, KVH, D], v_scale [N, block_size, KVH]");
+  Tensor slots = slot_mapping.contiguous(), starts = seq_starts.contiguous();
+  Tensor rows = open_rows.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens &&
+                  starts.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
+                  starts.numel() == rows.numel() + 1,
+              name, ": slot_mapping [T], seq_starts [S + 1] and open_rows [S] must be int64");
+  const int64_t num_seqs = rows.numel();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  TORCH_CHECK(start[0] == 0 && start[num_seqs] == tokens, name,
+              ": seq_starts must run from 0 to T");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(start[s] <= start[s + 1], name, ": seq_starts must not decrease");
+    TORCH_CHECK(row[s] >= 0 && row[s] < k_open.size(0), name, ": open row out of range");
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_blocks * block_size, name,
+                ": slot out of range");
+  float* kout = nullptr;
+  if (k_out.has_value()) {
+    TORCH_CHECK(k_out->is_contiguous() && k_out->scalar_type() == at::kFloat &&
+                    k_out->numel() == tokens * num_kv_heads * d,
+                name, ": k_out must be contiguous float32 [T, KVH, D]");
+    kout = k_out->data_ptr<float>();
+  }
+  Tensor qkvc = qkv.contiguous(), cosc = cos.contiguous(), sinc = sin.contiguous();
+  Tensor q = at::empty({tokens, num_heads, d}, qkvc.options().dtype(q_dtype));
+  dispatch(qkvc.scalar_type(), name, [&](auto i_tag) {
+    dispatch(k_open.scalar_type(), name, [&](auto r_tag) {
+      using R = decltype(r_tag);
+      dispatch(q_dtype, name, [&](auto q_tag) {
+        auto run = [&](auto kind_tag) {
+          rotary_write_kv_quant_rows<decltype(kind_tag)::value>(
+              qkvc.data_ptr<decltype(i_tag)>(), cosc.data_ptr<float>(), sinc.data_ptr<float>(),
+              slot, start, row, num_seqs, k_open.data_ptr<R>(), v_open.data_ptr<R>(),
+              static_cast<uint8_t*>(k_codes.data_ptr()), static_cast<uint8_t*>(v_codes.data_ptr()),
+              k_scale.data_ptr<c10::BFloat16>(), k_zero.data_ptr<c10::BFloat16>(),
+              v_scale.data_ptr<c10::BFloat16>(), q.data_ptr<decltype(q_tag)>(), kout,
+              num_heads, num_kv_heads, d, block_size);
+        };
+        if (kind == 0)
+          run(std::integral_constant<int, 0>{});
+        else if (kind == 1)
+          run(std::integral_constant<int, 1>{});
+        else
+          run(std::integral_constant<int, 2>{});
+      });
+    });
+  });
+  return q;
+}
+
+// Stored codes of a quantized KV cache (kv/quant.py) as float codes, 16 at a time: int8,
+// fp8 e4m3 bits, or int4 nibbles (two per byte, minus 8). KIND: 0 int8, 1 fp8, 2 int4.
+template <int KIND>
+inline void decode_codes(const void* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    if constexpr (KIND == 0)
+      F32x16::load(static_cast<const int8_t*>(src) + i).store(dst + i);
+    else if constexpr (KIND == 1)
+      F32x16::load_fp8(static_cast<const uint8_t*>(src) + i).store(dst + i);
+    else
+      F32x16::load_int4(static_cast<const uint8_t*>(src) + i / 2).store(dst + i);
+  }
+}
+
+// The decode attention of paged_decode_attention_quant below over raw pointers: as
+// paged_decode_attention_rows, but K and V are codes (k_codes/v_codes [num_blocks,
+// block_size, kv_heads, cd], cd = d, or d / 2 for int4) with K's per-channel scales and
+// offsets (k_scale/k_zero [num_blocks, kv_heads, d]) and V's per-token scales (v_scale
+// [num_blocks, block_size, kv_heads]), and each sequence's own (last) block is read from its
+// open row of k_open/v_open [rows, block_size, kv_heads, d]. Codes are decoded a block at a
+// time into float; a block's K scales are folded into the query once per block (q . (s * c +
+// z) = (q * s) . c + q . z) and a token's V scale into its weight.
+template <int KIND, typename Q, typename R, typename O>
+void paged_decode_attention_quant_rows(
+    const Q* q, const void* k_codes, const void* v_codes, const c10::BFloat16* k_scale,
+    const c10::BFloat16* k_zero, const c10::BFloat16* v_scale,
+    const R* k_open, const R* v_open, const int64_t* block_tables, const int64_t* seq_lens,
+    const int64_t* open_rows, O* out, int64_t batch, int64_t heads, int64_t kv_heads,
+    int64_t d, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+  const int64_t group = heads / kv_heads;
+  const int64_t cd = KIND == 2 ? d / 2 : d;  // bytes of one row of codes
+  const int64_t split = batch >= 2 * at::get_num_threads() ? 1 : kv_heads;
+  const int64_t per_item = kv_heads / split;
+  const int64_t rows = per_item * group;
+  const int64_t width = per_item * d;
+  const auto* kc = static_cast<const uint8_t*>(k_codes);
+  const auto* vc = static_cast<const uint8_t*>(v_codes);
+  at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rows * d), qs(d), acc(rows * d), scores, total(rows);
+    std::vector<float> buf(block_size * width), pv(block_size);
+    std::vector<const float*> row_ptr(block_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split, h0 = item % split * per_item, end_key = seq_lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, end_key - window) : 0;
+      const int64_t n = end_key - start, own = (end_key - 1) / block_size;
+      const int64_t* blocks = block_tables + b * max_blocks;
+      convert(q + (b * heads + h0 * group) * d, qf.data(), rows * d);
+      scale_by(qf.data(), scale, rows * d);
+      scores.resize(rows * n);
+      // f(j, first, count): block j's keys first .. first + count - 1 (counted from start),
+      // their rows of the item's KV heads in row_ptr as float: decoded codes, or for the own
+      // block the open row's values
+      auto for_each_block = [&](const uint8_t* codes, const R* opened, auto&& f) {
+        for (int64_t j = start / block_size; j <= own; ++j) {
+          const int64_t t0 = std::max(start, j * block_size);
+          const int64_t count = std::min(end_key, (j + 1) * block_size) - t0;
+          const int64_t r0 = t0 - j * block_size;
+          for (int64_t i = 0; i < count; ++i) {
+            float* dst = buf.data() + i * width;
+            if (j == own) {
+              const R* src = opened + ((open_rows[b] * block_size + r0 + i) * kv_heads + h0) * d;
+              row_ptr[i] = as_float(src, dst, width);
+            } else {
+              decode_codes<KIND>(
+                  codes + ((blocks[j] * block_size + r0 + i) * kv_heads + h0) * cd, dst, width);
+              row_ptr[i] = dst;
+            }
+          }
+          f(j, t0 - start, count);
+        }
+      };
+      for_each_block(kc, k_open, [&](int64_t j, int64_t first, int64_t count) {
+        for (int64_t h = 0, r = 0; h < per_item; ++h) {
+          const int64_t ph = (blocks[j] * kv_heads + h0 + h) * d;
+          for (int64_t g = 0; g < group; ++g, ++r) {
+            const float* qr = qf.data() + r * d;
+            float* sr = scores.data() + r * n + first;
+            if (j == own) {
+              scores_of_row(qr, row_ptr.data(), h * d, count, d, sr);
+              continue;
+            }
+            float bias = 0.f;
+            for (int64_t c = 0; c < d; ++c) {
+              qs[c] = qr[c] * static_cast<float>(k_scale[ph + c]);
+              bias += qr[c] * static_cast<float>(k_zero[ph + c]);
+            }
+            scores_of_row(qs.data(), row_ptr.data(), h * d, count, d, sr);
+            for (int64_t t = 0; t < count; ++t) sr[t] += bias;
+          }
+        }
+      });
+      for (int64_t r = 0; r < rows; ++r) {  // softmax over t, normalized at the end
+        float* sr = scores.data() + r * n;
+        const float m = max_of(sr, n);
+        for (int64_t t = 0; t < n; ++t) sr[t] = fast_exp(sr[t] - m);
+        total[r] = sum(sr, n);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_block(vc, v_open, [&](int64_t j, int64_t first, int64_t count) {
+        const int64_t r0 = start + first - j * block_size;
+        for (int64_t h = 0, r = 0; h < per_item; ++h) {
+          const c10::BFloat16* vs = v_scale + (blocks[j] * block_size + r0) * kv_heads + h0 + h;
+          for (int64_t g = 0; g < group; ++g, ++r) {
+            const float* p = scores.data() + r * n + first;
+            if (j != own) {  // each token's V scale into its weight
+              for (int64_t t = 0; t < count; ++t)
+                pv[t] = p[t] * static_cast<float>(vs[t * kv_heads]);
+              p = pv.data();
+            }
+            weighted_sum(p, row_ptr.data(), h * d, count, d, acc.data() + r * d);
+          }
+        }
+      });
+      for (int64_t r = 0; r < rows; ++r) scale_by(acc.data() + r * d, 1.f / total[r], d);
+      convert(acc.data(), out + (b * heads + h0 * group) * d, rows * d);
+    }
+  });
+}
+
+// Decode attention straight over a quantized paged cache (kv/quant.py; PagedAttention sec.
+// 4.1): q [B, H, D] float32 or bfloat16; k_codes/v_codes [N, block_size, KVH, CD] (int8, or
+// uint8 holding fp8 e4m3 bits or two int4 nibbles, CD = D / 2); k_scale/k_zero [N, KVH, D]
+// and v_scale [N, block_size, KVH] bfloat16; k_open/v_open [rows, block_size, KVH, D] float32
+// or bfloat16: each
+// sequence's own (last) block, unquantized, in row open_rows[b]; block_tables [B, M],
+// seq_lens [B], open_rows [B] int64; kind 0 int8, 1 fp8, 2 int4; window as in
+// paged_decode_attention. Returns [B, H, D] of out_dtype.
+Tensor paged_decode_attention_quant(const Tensor& q, const Tensor& k_codes,
+                                    const Tensor& v_codes, const Tensor& k_scale,
+                                    const Tensor& k_zero, const Tensor& v_scale,
+                                    const Tensor& k_open, const Tensor& v_open,
+                                    const Tensor& block_tables, const Tensor& seq_lens,
+                                    const Tensor& open_rows, double scale,
+                                    at::ScalarType out_dtype, int64_t window, int64_t kind) {
+  const char* name = "paged_decode_attention_quant";
+  TORCH_CHECK(kind >= 0 && kind <= 2, name, ": kind must be 0 (int8), 1 (fp8) or 2 (int4)");
+  TORCH_CHECK(window >= 0, name, ": window must be >= 0");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0 && q.size(2) % 16 == 0, name,
+              ": q must be [B, H, D] with D a multiple of 16");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(2) > 0, name,
+              ": k_codes must be [N, block_size, KVH, CD]");
+  const int64_t num_blocks = k_codes.size(0), block_size = k_codes.size(1);
+  const int64_t kv_heads = k_codes.size(2), cd = kind == 2 ? d / 2 : d;
+  TORCH_CHECK(k_codes.size(3) == cd && heads % kv_heads == 0, name,
+              ": head_dim or head counts do not match the cache");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() &&
+                  v_codes.sizes() == k_codes.sizes() &&
+                  k_codes.element_size() == 1 && v_codes.element_size() == 1,
+              name, ": k_codes/v_codes must be contiguous one-byte tensors alike");
+  for (const Tensor* t : {&k_scale, &k_zero, &v_scale})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16, name,
+                ": scales and offsets must be contiguous bfloat16");
+  TORCH_CHECK(k_scale.sizes() == at::IntArrayRef({num_blocks, kv_heads, d}) &&
+                  k_zero.sizes() == k_scale.sizes() &&
+                  v_scale.sizes() == at::IntArrayRef({num_blocks, block_size, kv_heads}),
+              name, ": k_scale/k_zero [N, KVH, D], v_scale [N, block_size, KVH]");
+  for (const Tensor* t : {&k_open, &v_open})
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(1) == block_size &&
+                    t->size(2) == kv_heads && t->size(3) == d &&
+                    t->scalar_type() == k_open.scalar_type() && t->size(0) == k_open.size(0),
+                name, ": k_open/v_open must be contiguous [rows, block_size, KVH, D] alike");
+  Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  Tensor orows = open_rows.contiguous();
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == batch &&
+                  lens.scalar_type() == at::kLong && lens.numel() == batch &&
+                  orows.scalar_type() == at::kLong && orows.numel() == batch,
+              name, ": block_tables [B, M], seq_lens [B] and open_rows [B] must be int64");
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* orow = orows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= max_blocks * block_size, name,
+                ": seq_len outside its block table");
+    TORCH_CHECK(orow[b] >= 0 && orow[b] < k_open.size(0), name, ": open row out of range");
+  }
+  for (int64_t i = 0; i < batch * max_blocks; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, name, ": block id out of range");
+  Tensor qc = q.contiguous();
+  Tensor out = at::empty({batch, heads, d}, qc.options().dtype(out_dtype));
+  dispatch(qc.scalar_type(), name, [&](auto q_tag) {
+    dispatch(k_open.scalar_type(), name, [&](auto r_tag) {
+      using R = decltype(r_tag);
+      dispatch(out_dtype, name, [&](auto o_tag) {
+        auto run = [&](auto kind_tag) {
+          paged_decode_attention_quant_rows<decltype(kind_tag)::value>(
+              qc.data_ptr<decltype(q_tag)>(), k_codes.data_ptr(), v_codes.data_ptr(),
+              k_scale.data_ptr<c10::BFloat16>(), k_zero.data_ptr<c10::BFloat16>(),
+              v_scale.data_ptr<c10::BFloat16>(),
+              k_open.data_ptr<R>(), v_open.data_ptr<R>(), table, len, orow,
+              out.data_ptr<decltype(o_tag)>(), batch, heads, kv_heads, d, block_size,
+              max_blocks, static_cast<float>(scale), window);
+        };
+        if (kind == 0)
+          run(std::integral_constant<int, 0>{});
+        else if (kind == 1)
+          run(std::integral_constant<int, 1>{});
+        else
+          run(std::integral_constant<int, 2>{});
       });
     });
   });

@@ -27,6 +27,20 @@ Tensor rotary_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& seq_lens, double scale,
                               at::ScalarType out_dtype, int64_t window);
+Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                             const Tensor& slot_mapping, const Tensor& seq_starts,
+                             const Tensor& open_rows, Tensor k_open, Tensor v_open,
+                             Tensor k_codes, Tensor v_codes, Tensor k_scale, Tensor k_zero,
+                             Tensor v_scale, const std::optional<Tensor>& k_out,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t kind,
+                             at::ScalarType q_dtype);
+Tensor paged_decode_attention_quant(const Tensor& q, const Tensor& k_codes,
+                                    const Tensor& v_codes, const Tensor& k_scale,
+                                    const Tensor& k_zero, const Tensor& v_scale,
+                                    const Tensor& k_open, const Tensor& v_open,
+                                    const Tensor& block_tables, const Tensor& seq_lens,
+                                    const Tensor& open_rows, double scale,
+                                    at::ScalarType out_dtype, int64_t window, int64_t kind);
 Tensor argmax(const Tensor& x);
 Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales);
 Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,

@@ -41,6 +41,24 @@ struct F32x16 {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))};
   }
+  // 16 fp8 e4m3 codes as float: the byte sign-extended and moved up by 20 bits, masked to
+  // its sign and 7 exponent+mantissa bits, is a float32 of the same mantissa and an exponent
+  // 120 too small (subnormals included), which a multiply by 2**120 corrects
+  static VEC_INLINE F32x16 load_fp8(const uint8_t* p) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m512i x = _mm512_slli_epi32(_mm512_cvtepi8_epi32(q), 20);
+    x = _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int32_t>(0x87F00000u)));
+    return {_mm512_mul_ps(_mm512_castsi512_ps(x), _mm512_set1_ps(0x1p120f))};
+  }
+  // 16 int4 codes from 8 bytes (channel 2i in byte i's low nibble, 2i + 1 in its high one),
+  // as float code - 8
+  static VEC_INLINE F32x16 load_int4(const uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    return {_mm512_sub_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(8.f))};
+  }
   VEC_INLINE void store(float* p) const { _mm512_storeu_ps(p, v); }
   // the first n lanes only (none for n <= 0)
   VEC_INLINE void store(float* p, int64_t n) const {
@@ -126,6 +144,25 @@ struct F32x16 {
     for (int l = 0; l < 16; ++l) lanes[l] = p[l];
     return load(lanes);
 #endif
+  }
+  static VEC_INLINE F32x16 load_fp8(const uint8_t* p) {
+    float lanes[16];
+    for (int l = 0; l < 16; ++l) {
+      const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(
+                                 static_cast<int8_t>(p[l]))) << 20) & 0x87F00000u;
+      float f;
+      __builtin_memcpy(&f, &bits, sizeof f);
+      lanes[l] = f * 0x1p120f;
+    }
+    return load(lanes);
+  }
+  static VEC_INLINE F32x16 load_int4(const uint8_t* p) {
+    float lanes[16];
+    for (int l = 0; l < 8; ++l) {
+      lanes[2 * l] = static_cast<float>(p[l] & 15) - 8.f;
+      lanes[2 * l + 1] = static_cast<float>(p[l] >> 4) - 8.f;
+    }
+    return load(lanes);
   }
   VEC_INLINE void store(float* p) const {
     for (int j = 0; j < VEC_PARTS; ++j) __builtin_memcpy(p + j * VEC_PART, &v[j], sizeof v[j]);

@@ -1,10 +1,15 @@
-"""KV-cache arithmetic, torch-free: the bytes one token costs and how many blocks fit. The
-engine sizes its cache with these, and ``pagedserve plan`` imports them, so both agree.
+"""KV-cache arithmetic, torch-free: the bytes one block and one token cost and how many blocks
+fit. The engine sizes its cache with these, and ``pagedserve plan`` imports them, so both agree.
 
-    kv_bytes_per_token = 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
-    num_blocks         = kv_budget // (kv_bytes_per_token * block_size)
+    block_bytes        = num_layers * num_kv_heads * (2 * block_size * head_dim * dtype_bytes
+                                                      + param_bytes)
+    kv_bytes_per_token = block_bytes / block_size
+    num_blocks         = kv_budget // block_bytes
 
-Source: the PagedAttention paper (Kwon et al., SOSP 2023, section 3) for the KV cost.
+``param_bytes`` (per block, layer and KV head) is 0 for a full-precision cache; a quantized one
+(kv/quant.py) stores a bfloat16 scale and offset per K channel and a bfloat16 scale per V row:
+``4 * head_dim + 2 * block_size``. Source: the PagedAttention paper (Kwon et al., SOSP 2023,
+section 3) for the KV cost.
 """
 
 from __future__ import annotations
@@ -14,9 +19,8 @@ from dataclasses import dataclass
 
 from pagedserve.config import DTYPES
 
-# An 8-bit KV cache also stores one bfloat16 scale per token and KV head, for K and for V
-# (pagedserve.kv.quant); full-precision caches store none.
-KV_SCALE_BYTES = 2
+QUANTIZED_KV = ("int8", "fp8", "int4")  # kv_cache_dtype names that store codes and scales
+PARAM_BYTES = 2  # a bfloat16 scale or offset
 
 
 def kv_heads_per_worker(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
@@ -25,22 +29,45 @@ def kv_heads_per_worker(num_kv_heads: int, tensor_parallel_size: int = 1) -> int
     return max(1, math.ceil(num_kv_heads / tensor_parallel_size))
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype_bytes: float, scale_bytes: int = 0) -> int:
-    """``2 (K and V) * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)``,
-    in bytes; ``scale_bytes`` per token and KV head for an 8-bit cache's scales."""
-    return int(2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes))
+def kv_param_bytes(kv_dtype: str, head_dim: int, block_size: int) -> int:
+    """Scale and offset bytes per block, layer and KV head of a ``kv_dtype`` cache: K's scale
+    and offset per channel, V's scale per token (0 for full precision)."""
+    if DTYPES.get(kv_dtype, ("",))[0] not in QUANTIZED_KV:
+        return 0
+    return PARAM_BYTES * (2 * head_dim + block_size)
 
 
-def kv_scale_bytes(kv_dtype: str) -> int:
-    """Scale bytes per token and KV head that a KV cache of ``kv_dtype`` stores."""
-    return KV_SCALE_BYTES if DTYPES.get(kv_dtype, ("",))[0] in ("fp8", "int8") else 0
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float,
+                   block_size: int, param_bytes: int = 0) -> int:
+    """Bytes of one block of ``block_size`` tokens over ``num_layers`` layers: K and V of
+    ``dtype_bytes`` per element plus ``param_bytes`` (``kv_param_bytes``) per layer and KV
+    head."""
+    return int(num_layers * num_kv_heads
+               * (2 * block_size * head_dim * dtype_bytes + param_bytes))
 
 
-def num_blocks(kv_budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
-    """Whole blocks of ``block_size`` tokens that fit in ``kv_budget_bytes`` (the engine's
-    own sizing rule)."""
-    return max(0, int(kv_budget_bytes) // (bytes_per_token * block_size))
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float,
+                       param_bytes: int = 0, block_size: int = 16) -> int:
+    """``kv_block_bytes / block_size``, rounded up to whole bytes (exact whenever
+    ``block_size`` divides the parameter bytes, as for every power of two up to
+    ``4 * head_dim``)."""
+    return -(-kv_block_bytes(num_layers, num_kv_heads, head_dim, dtype_bytes, block_size,
+                             param_bytes) // block_size)
+
+
+def open_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, compute_bytes: int,
+                     block_size: int, kv_dtype: str) -> int:
+    """Bytes of one sequence's open rows in a quantized cache (kv/quant.py): a block of K
+    and V in the model's dtype over every layer; 0 for a full-precision cache."""
+    if DTYPES.get(kv_dtype, ("",))[0] not in QUANTIZED_KV:
+        return 0
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * compute_bytes
+
+
+def num_blocks(kv_budget_bytes: int, block_bytes: int) -> int:
+    """Whole blocks of ``block_bytes`` that fit in ``kv_budget_bytes`` (the engine's own
+    sizing rule)."""
+    return max(0, int(kv_budget_bytes) // block_bytes)
 
 
 # ---- KV groups: how layers share blocks (hybrid models) -------------------------------------

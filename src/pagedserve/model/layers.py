@@ -21,7 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.paged import paged_attention, paged_attention_fused
+from pagedserve.attention.paged import (
+    paged_attention,
+    paged_attention_fused,
+    rotary_write_kv_quantized,
+)
 from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import SINGLE, TPGroup
 from pagedserve.kv.cache import LayerKVCache
@@ -34,7 +38,7 @@ from pagedserve.model.quant import Int4Linear, check_quantization, quantize_q8_0
 class KernelState:
     """What every layer of one model reads to choose its ops: ``ops`` (pagedserve.kernels, or
     None for torch), ``act_dtype`` (what the projections take: bfloat16 for int4 layers, else
-    float32) and ``fused`` (the kernels run this step: ops and an unquantized KV cache)."""
+    float32) and ``fused`` (the kernels run this step)."""
 
     ops: Any = None
     act_dtype: torch.dtype = torch.float32
@@ -324,9 +328,12 @@ class Attention(nn.Module):
                        kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
         ops, act_dtype = self.kernels.ops, self.kernels.act_dtype
         qkv = self._norm_qk(self.qkv_proj(x))
-        q = ops.rotary_write_kv(qkv, rope[0], rope[1], kv_cache.k, kv_cache.v,
-                                md.slot_mapping[kv_cache.group],
-                                self.num_heads, self.num_kv_heads, torch.float32)
+        if kv_cache.spec.quantized:
+            q = rotary_write_kv_quantized(qkv, rope, kv_cache, md, self.num_heads, ops)
+        else:
+            q = ops.rotary_write_kv(qkv, rope[0], rope[1], kv_cache.k, kv_cache.v,
+                                    md.slot_mapping[kv_cache.group],
+                                    self.num_heads, self.num_kv_heads, torch.float32)
         out = paged_attention_fused(q, kv_cache, md, self.scale, ops, act_dtype, self.window)
         out = self.o_proj(out.view(x.shape[0], self.q_size))
         return self.tp.all_reduce(out.float()) if self.tp.world_size > 1 else out

@@ -123,8 +123,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)
-        # the fused layers read and write an unquantized cache only
-        self.kernels.fused = self.ops is not None and kv_caches[0].k_scale is None
+        self.kernels.fused = self.ops is not None
         y = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             y = layer(x, y, rope if layer.self_attn.window is None else local, kv_cache, md)
