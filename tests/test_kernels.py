@@ -278,3 +278,85 @@ def test_no_compiler_falls_back_with_one_reason(monkeypatch, caplog):
         assert "no C++ compiler" in caplog.text and "running the torch path" in caplog.text
     finally:
         kernels._compiled.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
+def test_rotary_write_kv_quant_matches_torch(ops, name):
+    """The quantized cache's write: each token's rotated K and its V land in its sequence's
+    open row; a token that completes a block has the block quantized exactly as kv/quant.py
+    quantizes the same rows (the same bytes). Three sequences: a decode that fills its block,
+    a decode mid-block, and a prefill chunk over three blocks starting mid-block."""
+    from pagedserve.attention.paged import KERNEL_KIND
+    from pagedserve.kv.quant import PARAM_DTYPE, quantize_blocks, quantize_rows
+
+    torch.manual_seed(4)
+    heads, kvh, d, bs, nblocks = 6, 2, 32, 4, 10
+    cd = d // 2 if name == "int4" else d
+    k_codes = torch.zeros(nblocks, bs, kvh, cd, dtype=torch.int8 if name == "int8" else torch.uint8)
+    v_codes = torch.zeros_like(k_codes)
+    k_scale, k_zero = (torch.zeros(nblocks, kvh, d, dtype=PARAM_DTYPE) for _ in range(2))
+    v_scale = torch.zeros(nblocks, bs, kvh, dtype=PARAM_DTYPE)
+    k_open, v_open = torch.randn(4, bs, kvh, d), torch.randn(4, bs, kvh, d)
+    before = k_open.clone(), v_open.clone()
+    # (first position, tokens, open row, block table)
+    seqs = [(7, 1, 2, [5, 1]), (1, 1, 0, [3]), (2, 9, 3, [8, 0, 6])]
+    positions = [p for first, n, _, _ in seqs for p in range(first, first + n)]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for first, n, _, table in seqs
+                          for p in range(first, first + n)])
+    starts = torch.tensor([0, 1, 2, 11])
+    rows = torch.tensor([r for _, _, r, _ in seqs])
+    t = len(positions)
+    qkv = torch.randn(t, (heads + 2 * kvh) * d)
+    angles = torch.tensor(positions, dtype=torch.float32)[:, None] * torch.rand(d // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    k_out = torch.empty(t, kvh, d)
+    q = ops.rotary_write_kv_quant(qkv, cos, sin, slots, starts, rows, k_open, v_open, k_codes,
+                                  v_codes, k_scale, k_zero, v_scale, k_out, heads, kvh,
+                                  KERNEL_KIND[name], torch.float32)
+    x = qkv.view(t, heads + 2 * kvh, d)
+    rot = x * cos[:, None] + x.roll(d // 2, dims=-1) * sin[:, None]
+    torch.testing.assert_close(q, rot[:, :heads])
+    torch.testing.assert_close(k_out, rot[:, heads:heads + kvh])
+    v_new = x[:, heads + kvh:]
+    tok = 0
+    for first, n, r, table in seqs:
+        k_rows = {p: before[0][r, p % bs] for p in range(first - first % bs, first)}
+        v_rows = {p: before[1][r, p % bs] for p in range(first - first % bs, first)}
+        for i in range(n):
+            k_rows[first + i], v_rows[first + i] = k_out[tok + i], v_new[tok + i]
+        tok += n
+        for b in range(first // bs, (first + n) // bs):  # the blocks this step filled
+            ks = torch.stack([k_rows[p] for p in range(b * bs, (b + 1) * bs)])
+            vs = torch.stack([v_rows[p] for p in range(b * bs, (b + 1) * bs)])
+            codes, scale, zero = quantize_blocks(ks[None], name)
+            assert torch.equal(k_codes[table[b]], codes[0])
+            assert torch.equal(k_scale[table[b]], scale[0])
+            assert torch.equal(k_zero[table[b]], zero[0])
+            codes, scale = quantize_rows(vs, name)
+            assert torch.equal(v_codes[table[b]], codes)
+            assert torch.equal(v_scale[table[b]], scale)
+        last = (first + n - 1) // bs * bs  # the open row holds the last block's rows
+        for p in range(last, first + n):
+            assert torch.equal(k_open[r, p % bs], k_rows[p])
+            assert torch.equal(v_open[r, p % bs], v_rows[p])
+    assert torch.equal(k_open[1], before[0][1])  # an unused row is untouched
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rotary_write_kv_quant(qkv, cos, sin, slots + 100, starts, rows, k_open, v_open,
+                                  k_codes, v_codes, k_scale, k_zero, v_scale, None, heads, kvh,
+                                  KERNEL_KIND[name], torch.float32)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
+def test_paged_decode_attention_quant_matches_dense(ops, name):
+    """Decode attention over quantized blocks and the open rows against dense attention on the
+    values the cache holds (the harness of test_kv_quant.py), sliding windows included."""
+    from test_kv_quant import run_case
+
+    run_case(name, 4, 9, 3, [(1, 1), (4, 1), (5, 1), (37, 1), (64, 1), (30, 4)], head_dim=64,
+             ops=ops)
+    run_case(name, 16, 4, 2, [(1, 1), (17, 1), (100, 1), (33, 1)] * 5, head_dim=32, seed=1,
+             ops=ops)
+    for window in (1, 5, 20):
+        run_case(name, 4, 4, 2, [(1, 1), (9, 1), (30, 1), (23, 3)], head_dim=32, seed=window,
+                 ops=ops, window=window)

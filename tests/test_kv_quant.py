@@ -153,9 +153,10 @@ def stored_block(x: torch.Tensor, name: str, values: bool) -> torch.Tensor:
     return dequantize_blocks(*quantize_blocks(x[None], name), name)[0]
 
 
-def reference(q, k, v, n, block_size, name, scale):
+def reference(q, k, v, n, block_size, name, scale, window=None):
     """Dense attention of the last n queries q [n, H, D] over k/v [ctx, Hkv, D]: each query
-    reads the blocks before its own block as stored, its own block's rows unquantized."""
+    reads the blocks before its own block as stored, its own block's rows unquantized (with a
+    sliding ``window``, only its last ``window`` keys)."""
     ctx, hkv, _ = k.shape
     heads = q.shape[1]
     outs = []
@@ -165,11 +166,14 @@ def reference(q, k, v, n, block_size, name, scale):
         vs = [stored_block(v[b:b + block_size], name, True) for b in range(0, own, block_size)]
         kk = torch.cat([*ks, k[own:p + 1]]).repeat_interleave(heads // hkv, 1).transpose(0, 1)
         vv = torch.cat([*vs, v[own:p + 1]]).repeat_interleave(heads // hkv, 1).transpose(0, 1)
+        lo = 0 if window is None else max(0, p - window + 1)
+        kk, vv = kk[:, lo:], vv[:, lo:]
         outs.append(F.scaled_dot_product_attention(q[i][:, None], kk, vv, scale=scale)[:, 0])
     return torch.stack(outs)
 
 
-def run_case(name, block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0, ops=None):
+def run_case(name, block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0, ops=None,
+             window=None):
     """seqs: (context length including the new tokens, new tokens); cached context written
     as the cache holds it (full blocks quantized, the rest in the sequence's open row)."""
     g = torch.Generator().manual_seed(seed)
@@ -225,12 +229,12 @@ def run_case(name, block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=
     new = [torch.cat([full[i][j][seqs[i][0] - seqs[i][1]:] for i in order]) for j in range(2)]
     scale = head_dim ** -0.5
     if ops is None:
-        out = paged_attention(q, *new, cache, md, scale)
+        out = paged_attention(q, *new, cache, md, scale, window)
     else:  # the kernel path: the same write, then the fused decode attention
         from pagedserve.attention.paged import write_kv_quantized
         write_kv_quantized(*new, cache, ob)
-        out = paged_attention_fused(q, cache, md, scale, ops, torch.float32)
-    ref = torch.cat([reference(qs[i], *full[i], seqs[i][1], block_size, name, scale)
+        out = paged_attention_fused(q, cache, md, scale, ops, torch.float32, window)
+    ref = torch.cat([reference(qs[i], *full[i], seqs[i][1], block_size, name, scale, window)
                      for i in order])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for i in order:  # the blocks the step filled, and the open rows it left
@@ -253,6 +257,7 @@ SEQS = [(1, 1), (4, 1), (5, 1), (37, 1), (64, 1), (23, 23), (50, 9), (16, 16), (
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_attention_equals_dense_attention_on_the_values_held(name, heads, block_size):
     run_case(name, block_size, *heads, SEQS)
+    run_case(name, block_size, *heads, SEQS, seed=2, window=6)  # a sliding-window layer
 
 
 @pytest.mark.parametrize("name", MODES)
@@ -304,6 +309,24 @@ def test_prefix_hits_swap_and_recompute_give_the_same_tokens(tiny_llama, kv_cach
     assert _tokens(full.generate(prompts, params, use_tqdm=False)) != ref
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_sliding_window_model_and_both_paths(tiny_gemma3, monkeypatch, kernels):
+    """Gemma 3's hybrid KV groups over an int8 cache, with the CPU kernels and without: prefix
+    hits, chunks and preemption give the roomy run's tokens."""
+    from pagedserve import LLM
+
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", kernels)
+    prompts, params = shared_prefix_workload(8)
+    ref = _tokens(LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
+                      enable_prefix_caching=False, kv_cache_dtype="int8").generate(
+        prompts, params, use_tqdm=False))
+    tight = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=120, block_size=4,
+                max_num_batched_tokens=9, kv_cache_dtype="int8")
+    assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == ref
+    stats = tight.kv_cache_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
 @pytest.mark.parametrize("kv_cache_dtype", MODES)
 def test_forks_copy_their_open_rows(tiny_llama, kv_cache_dtype):
     """n=3 greedy forks share the prompt's partial last block, whose K/V live in the
@@ -318,6 +341,19 @@ def test_forks_copy_their_open_rows(tiny_llama, kv_cache_dtype):
         params = SamplingParams(n=n, temperature=0, max_tokens=30, ignore_eos=True)
         outs.append(_tokens(llm.generate(prompt, params, use_tqdm=False)))
     assert outs[1] == outs[0] * 3
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_16_bit_caches_under_a_float32_model(tiny_llama, kv_cache_dtype):
+    """A float16 cache under a float32 model takes the torch path (the CPU kernels store
+    float32 or bfloat16 only; they once refused the float16 cache mid-step)."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=64,
+              kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 40))}] * 2, params, use_tqdm=False)
+    assert [len(t) for t in _tokens(out)] == [8, 8]
 
 
 def test_generate_cli_takes_kv_cache_dtype(tiny_llama, capsys):

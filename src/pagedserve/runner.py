@@ -188,7 +188,7 @@ class ModelRunner:
             open_blocks, tails = build_open_blocks(
                 inp.groups, inp.open_rows, self.block_size, self._tail,
                 self.kv_cache.kv.shape[4], cfg.head_dim, self.kv_cache.spec.compute_dtype, dev,
-                decode_tails=self.model.ops is None)  # the kernels read decodes' open rows
+                decode_tails=not self.model.fused_kernels(self.kv_cache.spec))
             self._tail = open_blocks.tail
             open_keys = [(*t, rows) for t, rows in zip(tails, inp.open_rows)]
         attn_groups = [build_group(q, s, t, self.block_size, self.num_queries_per_kv, dev, o)

@@ -198,8 +198,9 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
             "tokens, max concurrency %.2fx at max_model_len=%d", sizing.kv_bytes_per_token,
             spec.name, blocks, bs, gib, blocks * bs, blocks * bs / max_len, max_len)
     if options.num_open:
-        logger.info("KV cache: %s K of each sequence's open block held unquantized until it "
-                    "fills: %d rows (max_num_seqs) of %.1f MiB, %.1f MiB in all (included above)",
+        logger.info("KV cache: each running sequence's open block of K/V held in %s until it "
+                    "fills: %d open rows (max_num_seqs) of %.1f MiB, %.1f MiB in all (included "
+                    "above)",
                     options.dtype, options.num_open,
                     open_rows_bytes(local_config(cfg, tp), spec, bs, 1) / 2**20,
                     open_rows_bytes(local_config(cfg, tp), spec, bs, options.num_open) / 2**20)

@@ -17,6 +17,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import SINGLE, TPGroup, local_config, shard_weight
 from pagedserve.kv.cache import LayerKVCache
+from pagedserve.kv.quant import KVCacheSpec
 from pagedserve.model.layers import (
     Attention,
     GatedMLP,
@@ -123,11 +124,21 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)
-        self.kernels.fused = self.ops is not None
+        self.kernels.fused = self.fused_kernels(kv_caches[0].spec)
         y = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             y = layer(x, y, rope if layer.self_attn.window is None else local, kv_cache, md)
         return self.norm(x, y, out_dtype=torch.float32)
+
+    def fused_kernels(self, kv: KVCacheSpec) -> bool:
+        """Whether the fused CPU kernels run the layers over a KV cache stored as ``kv``: with
+        ops, for a float32 or bfloat16 cache, or a quantized one whose head_dim is a multiple of
+        16 (what its kernels decode at a time); a float16 cache takes the torch path."""
+        if self.ops is None:
+            return False
+        if kv.quantized:
+            return self.config.head_dim % 16 == 0
+        return kv.storage_dtype in (torch.float32, torch.bfloat16)
 
     def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallelism gathered
