@@ -280,7 +280,7 @@ def _tokens(outs):
 @pytest.mark.parametrize("kv_cache_dtype", MODES)
 def test_prefix_hits_swap_and_recompute_give_the_same_tokens(tiny_llama, kv_cache_dtype):
     """The same quantized mode with and without prefix-cache hits and preemption (swap, and
-    recompute in a pool of a tenth of the demand), and with prompts cut into small chunks:
+    recompute in a pool of a tenth of the demand), and with prompts cut into chunks of 7:
     blocks are quantized when full and queries read their own block unquantized, so every
     schedule reads the same values."""
     from pagedserve import LLM
@@ -300,7 +300,7 @@ def test_prefix_hits_swap_and_recompute_give_the_same_tokens(tiny_llama, kv_cach
     demand = sum(-(-(len(p["prompt_token_ids"]) + sp.max_tokens) // 4)
                  for p, sp in zip(prompts, params))
     small = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=max(60, demand // 10),
-                block_size=4, max_num_batched_tokens=7, long_prefill_token_threshold=5,
+                block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=7,
                 kv_cache_dtype=kv_cache_dtype)
     assert _tokens(small.generate(prompts, params, use_tqdm=False)) == ref
     assert small.kv_cache_stats().num_preemptions > 0

@@ -494,14 +494,79 @@ Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor&
 // Stored codes of a quantized KV cache (kv/quant.py) as float codes, 16 at a time: int8,
 // fp8 e4m3 bits, or int4 nibbles (two per byte, minus 8). KIND: 0 int8, 1 fp8, 2 int4.
 template <int KIND>
-inline void decode_codes(const void* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    if constexpr (KIND == 0)
-      F32x16::load(static_cast<const int8_t*>(src) + i).store(dst + i);
-    else if constexpr (KIND == 1)
-      F32x16::load_fp8(static_cast<const uint8_t*>(src) + i).store(dst + i);
-    else
-      F32x16::load_int4(static_cast<const uint8_t*>(src) + i / 2).store(dst + i);
+VEC_INLINE F32x16 load_codes(const uint8_t* row, int64_t i) {  // values i .. i + 15
+  if constexpr (KIND == 0)
+    return F32x16::load(reinterpret_cast<const int8_t*>(row) + i);
+  else if constexpr (KIND == 1)
+    return F32x16::load_fp8(row + i);
+  else
+    return F32x16::load_int4(row + i / 2);
+}
+
+// scores[r][t] = q[r] . codes_t for R query rows q (each d floats, ``q_stride`` apart) and
+// the n code rows keys[t] (d values each, decoded in registers): each key chunk is decoded
+// once for all R rows, four keys at a time.
+template <int KIND, int R>
+inline void code_scores(const float* q, int64_t q_stride, const uint8_t* const* keys,
+                        int64_t n, int64_t d, float* scores, int64_t s_stride) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    F32x16 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = F32x16::zero();
+    for (int64_t i = 0; i < d; i += 16) {
+      const F32x16 k0 = load_codes<KIND>(keys[t], i), k1 = load_codes<KIND>(keys[t + 1], i);
+      const F32x16 k2 = load_codes<KIND>(keys[t + 2], i), k3 = load_codes<KIND>(keys[t + 3], i);
+      for (int r = 0; r < R; ++r) {
+        const F32x16 qv = F32x16::load(q + r * q_stride + i);
+        acc[r][0] = fma(qv, k0, acc[r][0]);
+        acc[r][1] = fma(qv, k1, acc[r][1]);
+        acc[r][2] = fma(qv, k2, acc[r][2]);
+        acc[r][3] = fma(qv, k3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], scores + r * s_stride + t);
+  }
+  for (; t < n; ++t) {
+    F32x16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = F32x16::zero();
+    for (int64_t i = 0; i < d; i += 16) {
+      const F32x16 kv = load_codes<KIND>(keys[t], i);
+      for (int r = 0; r < R; ++r) acc[r] = fma(F32x16::load(q + r * q_stride + i), kv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) scores[r * s_stride + t] = reduce_add(acc[r]);
+  }
+}
+
+// out[r] += sum over t < n of p[r][t] * codes_t for R rows (weights ``p_stride`` apart,
+// outputs ``o_stride`` apart) and the n code rows vals[t] (d values each): each chunk of a
+// value row is decoded once for all R rows, the R accumulators kept in registers.
+template <int KIND, int R>
+inline void code_weighted(const float* p, int64_t p_stride, const uint8_t* const* vals,
+                          int64_t n, int64_t d, float* out, int64_t o_stride) {
+  for (int64_t i = 0; i < d; i += 16) {
+    F32x16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = F32x16::load(out + r * o_stride + i);
+    for (int64_t t = 0; t < n; ++t) {
+      const F32x16 v = load_codes<KIND>(vals[t], i);
+      for (int r = 0; r < R; ++r) acc[r] = fma(F32x16::set1(p[r * p_stride + t]), v, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) acc[r].store(out + r * o_stride + i);
+  }
+}
+
+// Calls f(std::integral_constant<int, R>{}, first) for the rows of a group of ``rows``,
+// four at a time, then the rest.
+template <typename F>
+inline void in_fours(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) f(std::integral_constant<int, 4>{}, r);
+  switch (rows - r) {
+    case 3: return f(std::integral_constant<int, 3>{}, r);
+    case 2: return f(std::integral_constant<int, 2>{}, r);
+    case 1: return f(std::integral_constant<int, 1>{}, r);
+    default: return;
   }
 }
 
@@ -510,9 +575,10 @@ inline void decode_codes(const void* src, float* dst, int64_t n) {
 // block_size, kv_heads, cd], cd = d, or d / 2 for int4) with K's per-channel scales and
 // offsets (k_scale/k_zero [num_blocks, kv_heads, d]) and V's per-token scales (v_scale
 // [num_blocks, block_size, kv_heads]), and each sequence's own (last) block is read from its
-// open row of k_open/v_open [rows, block_size, kv_heads, d]. Codes are decoded a block at a
-// time into float; a block's K scales are folded into the query once per block (q . (s * c +
-// z) = (q * s) . c + q . z) and a token's V scale into its weight.
+// open row of k_open/v_open [rows, block_size, kv_heads, d]. Codes are decoded in registers
+// (code_scores, code_weighted), once for all the query heads of a KV head; a block's K
+// scales are folded into the query once per block (q . (s * c + z) = (q * s) . c + q . z)
+// and a token's V scale into its weight.
 template <int KIND, typename Q, typename R, typename O>
 void paged_decode_attention_quant_rows(
     const Q* q, const void* k_codes, const void* v_codes, const c10::BFloat16* k_scale,
@@ -525,13 +591,13 @@ void paged_decode_attention_quant_rows(
   const int64_t split = batch >= 2 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t per_item = kv_heads / split;
   const int64_t rows = per_item * group;
-  const int64_t width = per_item * d;
   const auto* kc = static_cast<const uint8_t*>(k_codes);
   const auto* vc = static_cast<const uint8_t*>(v_codes);
   at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(rows * d), qs(d), acc(rows * d), scores, total(rows);
-    std::vector<float> buf(block_size * width), pv(block_size);
+    std::vector<float> qf(rows * d), qs(group * d), acc(rows * d), scores, total(rows), bias(group);
+    std::vector<float> buf(block_size * d), pv(group * block_size);
     std::vector<const float*> row_ptr(block_size);
+    std::vector<const uint8_t*> code_ptr(block_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / split, h0 = item % split * per_item, end_key = seq_lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, end_key - window) : 0;
@@ -540,47 +606,54 @@ void paged_decode_attention_quant_rows(
       convert(q + (b * heads + h0 * group) * d, qf.data(), rows * d);
       scale_by(qf.data(), scale, rows * d);
       scores.resize(rows * n);
-      // f(j, first, count): block j's keys first .. first + count - 1 (counted from start),
-      // their rows of the item's KV heads in row_ptr as float: decoded codes, or for the own
-      // block the open row's values
-      auto for_each_block = [&](const uint8_t* codes, const R* opened, auto&& f) {
+      // f(j, h, first, count, r0): block j's keys first .. first + count - 1 (counted from
+      // start; rows r0 .. of the block) for KV head h0 + h
+      auto for_each_block = [&](auto&& f) {
         for (int64_t j = start / block_size; j <= own; ++j) {
           const int64_t t0 = std::max(start, j * block_size);
           const int64_t count = std::min(end_key, (j + 1) * block_size) - t0;
-          const int64_t r0 = t0 - j * block_size;
-          for (int64_t i = 0; i < count; ++i) {
-            float* dst = buf.data() + i * width;
-            if (j == own) {
-              const R* src = opened + ((open_rows[b] * block_size + r0 + i) * kv_heads + h0) * d;
-              row_ptr[i] = as_float(src, dst, width);
-            } else {
-              decode_codes<KIND>(
-                  codes + ((blocks[j] * block_size + r0 + i) * kv_heads + h0) * cd, dst, width);
-              row_ptr[i] = dst;
-            }
-          }
-          f(j, t0 - start, count);
+          for (int64_t h = 0; h < per_item; ++h) f(j, h, t0 - start, count, t0 - j * block_size);
         }
       };
-      for_each_block(kc, k_open, [&](int64_t j, int64_t first, int64_t count) {
-        for (int64_t h = 0, r = 0; h < per_item; ++h) {
-          const int64_t ph = (blocks[j] * kv_heads + h0 + h) * d;
-          for (int64_t g = 0; g < group; ++g, ++r) {
-            const float* qr = qf.data() + r * d;
-            float* sr = scores.data() + r * n + first;
-            if (j == own) {
-              scores_of_row(qr, row_ptr.data(), h * d, count, d, sr);
-              continue;
-            }
-            float bias = 0.f;
-            for (int64_t c = 0; c < d; ++c) {
-              qs[c] = qr[c] * static_cast<float>(k_scale[ph + c]);
-              bias += qr[c] * static_cast<float>(k_zero[ph + c]);
-            }
-            scores_of_row(qs.data(), row_ptr.data(), h * d, count, d, sr);
-            for (int64_t t = 0; t < count; ++t) sr[t] += bias;
-          }
+      // the own block's rows of head h0 + h from an open row, as float32 (in buf)
+      auto open_rows_of = [&](const R* opened, int64_t h, int64_t count, int64_t r0) {
+        for (int64_t i = 0; i < count; ++i)
+          row_ptr[i] = as_float(
+              opened + ((open_rows[b] * block_size + r0 + i) * kv_heads + h0 + h) * d,
+              buf.data() + i * d, d);
+      };
+      auto code_rows_of = [&](const uint8_t* codes, int64_t j, int64_t h, int64_t count,
+                              int64_t r0) {
+        for (int64_t i = 0; i < count; ++i)
+          code_ptr[i] = codes + ((blocks[j] * block_size + r0 + i) * kv_heads + h0 + h) * cd;
+      };
+      for_each_block([&](int64_t j, int64_t h, int64_t first, int64_t count, int64_t r0) {
+        float* sr = scores.data() + h * group * n + first;  // row h * group + g at g * n
+        if (j == own) {  // unquantized open rows
+          open_rows_of(k_open, h, count, r0);
+          for (int64_t g = 0; g < group; ++g)
+            scores_of_row(qf.data() + (h * group + g) * d, row_ptr.data(), 0, count, d,
+                          sr + g * n);
+          return;
         }
+        const int64_t ph = (blocks[j] * kv_heads + h0 + h) * d;
+        for (int64_t g = 0; g < group; ++g) {  // the block's K scales folded into the query
+          const float* qr = qf.data() + (h * group + g) * d;
+          float* qsr = qs.data() + g * d;
+          float bz = 0.f;
+          for (int64_t c = 0; c < d; ++c) {
+            qsr[c] = qr[c] * static_cast<float>(k_scale[ph + c]);
+            bz += qr[c] * static_cast<float>(k_zero[ph + c]);
+          }
+          bias[g] = bz;
+        }
+        code_rows_of(kc, j, h, count, r0);
+        in_fours(group, [&](auto rows_tag, int64_t g0) {
+          code_scores<KIND, decltype(rows_tag)::value>(qs.data() + g0 * d, d, code_ptr.data(),
+                                                       count, d, sr + g0 * n, n);
+        });
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t t = 0; t < count; ++t) sr[g * n + t] += bias[g];
       });
       for (int64_t r = 0; r < rows; ++r) {  // softmax over t, normalized at the end
         float* sr = scores.data() + r * n;
@@ -589,20 +662,27 @@ void paged_decode_attention_quant_rows(
         total[r] = sum(sr, n);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_block(vc, v_open, [&](int64_t j, int64_t first, int64_t count) {
-        const int64_t r0 = start + first - j * block_size;
-        for (int64_t h = 0, r = 0; h < per_item; ++h) {
-          const c10::BFloat16* vs = v_scale + (blocks[j] * block_size + r0) * kv_heads + h0 + h;
-          for (int64_t g = 0; g < group; ++g, ++r) {
-            const float* p = scores.data() + r * n + first;
-            if (j != own) {  // each token's V scale into its weight
-              for (int64_t t = 0; t < count; ++t)
-                pv[t] = p[t] * static_cast<float>(vs[t * kv_heads]);
-              p = pv.data();
-            }
-            weighted_sum(p, row_ptr.data(), h * d, count, d, acc.data() + r * d);
-          }
+      for_each_block([&](int64_t j, int64_t h, int64_t first, int64_t count, int64_t r0) {
+        const float* p = scores.data() + h * group * n + first;
+        float* ah = acc.data() + h * group * d;
+        if (j == own) {
+          open_rows_of(v_open, h, count, r0);
+          for (int64_t g = 0; g < group; ++g)
+            weighted_sum(p + g * n, row_ptr.data(), 0, count, d, ah + g * d);
+          return;
         }
+        // each token's V scale into its weights
+        const c10::BFloat16* vs = v_scale + (blocks[j] * block_size + r0) * kv_heads + h0 + h;
+        for (int64_t t = 0; t < count; ++t) {
+          const float s = static_cast<float>(vs[t * kv_heads]);
+          for (int64_t g = 0; g < group; ++g) pv[g * block_size + t] = p[g * n + t] * s;
+        }
+        code_rows_of(vc, j, h, count, r0);
+        in_fours(group, [&](auto rows_tag, int64_t g0) {
+          code_weighted<KIND, decltype(rows_tag)::value>(pv.data() + g0 * block_size,
+                                                         block_size, code_ptr.data(), count,
+                                                         d, ah + g0 * d, d);
+        });
       });
       for (int64_t r = 0; r < rows; ++r) scale_by(acc.data() + r * d, 1.f / total[r], d);
       convert(acc.data(), out + (b * heads + h0 * group) * d, rows * d);
