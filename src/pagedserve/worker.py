@@ -186,7 +186,8 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
         options.dtype, f" ({args.quantization} linear layers)" if args.quantization else "",
         device, time.perf_counter() - t0)
     blocks, bs, max_len = sizing.num_kv_blocks, args.block_size, sizing.max_model_len
-    gib = getattr(runner, "runner", runner).kv_cache.nbytes / 2**30
+    cache = getattr(runner, "runner", runner).kv_cache
+    gib = (cache.nbytes - cache.open_nbytes) / 2**30  # the blocks; the open rows come apart
     if sizing.layout.is_hybrid:
         logger.info("KV cache: %d bytes per token in every layer (%s), %d blocks of %d tokens "
                     "(%.2f GiB); %s", sizing.kv_bytes_per_token, spec.name, blocks, bs, gib,
@@ -199,11 +200,10 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
             spec.name, blocks, bs, gib, blocks * bs, blocks * bs / max_len, max_len)
     if options.num_open:
         logger.info("KV cache: each running sequence's open block of K/V held in %s until it "
-                    "fills: %d open rows (max_num_seqs) of %.1f MiB, %.1f MiB in all (included "
-                    "above)",
+                    "fills: %d open rows (max_num_seqs) of %.1f MiB, %.1f MiB besides the blocks",
                     options.dtype, options.num_open,
                     open_rows_bytes(local_config(cfg, tp), spec, bs, 1) / 2**20,
-                    open_rows_bytes(local_config(cfg, tp), spec, bs, options.num_open) / 2**20)
+                    cache.open_nbytes / 2**20)
     return runner, sizing
 
 

@@ -232,6 +232,11 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in
                    (self.kv, self.k_params, self.v_params, self.kv_open) if t is not None)
 
+    @property
+    def open_nbytes(self) -> int:
+        """Device bytes of the open rows alone (beside the blocks, 0 for full precision)."""
+        return 0 if self.kv_open is None else self.kv_open.numel() * self.kv_open.element_size()
+
     def _index(self, ids: list[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=device)
 
