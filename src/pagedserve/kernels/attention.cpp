@@ -298,6 +298,43 @@ constexpr double kind_qmax() {
   return KIND == 0 ? 127.0 : KIND == 1 ? 448.0 : 7.0;
 }
 
+// Calls f(std::integral_constant<int, KIND>{}) for a quantized cache's kind (0 int8, 1 fp8,
+// 2 int4), checked by the caller.
+template <typename F>
+void dispatch_kind(int64_t kind, F&& f) {
+  if (kind == 0)
+    f(std::integral_constant<int, 0>{});
+  else if (kind == 1)
+    f(std::integral_constant<int, 1>{});
+  else
+    f(std::integral_constant<int, 2>{});
+}
+
+// The checks both quantized-cache ops make of the codes [N, block_size, KVH, CD] and the
+// parameters (k_scale/k_zero [N, KVH, D], v_scale [N, block_size, KVH] bfloat16).
+inline void check_quantized_cache(const char* name, int64_t kind, const Tensor& k_codes,
+                                  const Tensor& v_codes, const Tensor& k_scale,
+                                  const Tensor& k_zero, const Tensor& v_scale, int64_t kv_heads,
+                                  int64_t d) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, name, ": kind must be 0 (int8), 1 (fp8) or 2 (int4)");
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(2) == kv_heads && kv_heads > 0, name,
+              ": k_codes must be [N, block_size, KVH, CD]");
+  const int64_t num_blocks = k_codes.size(0), block_size = k_codes.size(1);
+  TORCH_CHECK(k_codes.size(3) == (kind == 2 ? d / 2 : d), name,
+              ": the codes' last dim does not match head_dim");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() &&
+                  v_codes.sizes() == k_codes.sizes() && k_codes.element_size() == 1 &&
+                  v_codes.element_size() == 1,
+              name, ": k_codes/v_codes must be contiguous one-byte tensors alike");
+  for (const Tensor* t : {&k_scale, &k_zero, &v_scale})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16, name,
+                ": scales and offsets must be contiguous bfloat16");
+  TORCH_CHECK(k_scale.sizes() == at::IntArrayRef({num_blocks, kv_heads, d}) &&
+                  k_zero.sizes() == k_scale.sizes() &&
+                  v_scale.sizes() == at::IntArrayRef({num_blocks, block_size, kv_heads}),
+              name, ": k_scale/k_zero [N, KVH, D], v_scale [N, block_size, KVH]");
+}
+
 // Stores one code of a row of codes (two per byte for int4).
 template <int KIND>
 inline void put_code(uint8_t* row, int64_t c, float code) {
@@ -414,7 +451,8 @@ Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor&
                              int64_t num_heads, int64_t num_kv_heads, int64_t kind,
                              at::ScalarType q_dtype) {
   const char* name = "rotary_write_kv_quant";
-  TORCH_CHECK(kind >= 0 && kind <= 2, name, ": kind must be 0 (int8), 1 (fp8) or 2 (int4)");
+  TORCH_CHECK(k_open.dim() == 4 && k_open.size(3) > 0 && k_open.size(3) % 2 == 0, name,
+              ": k_open must be [rows, block_size, KVH, D], D even");
   const int64_t d = k_open.size(3), tokens = qkv.size(0), block_size = k_open.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, name,
               ": qkv must be [T, (H + 2 KVH) D]");
@@ -425,19 +463,10 @@ Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor&
                   v_open.sizes() == k_open.sizes() &&
                   v_open.scalar_type() == k_open.scalar_type() && k_open.size(2) == num_kv_heads,
               name, ": k_open/v_open must be contiguous [rows, block_size, KVH, D] alike");
-  const int64_t num_blocks = k_codes.size(0), cd = kind == 2 ? d / 2 : d;
-  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() &&
-                  k_codes.sizes() == at::IntArrayRef({num_blocks, block_size, num_kv_heads, cd}) &&
-                  v_codes.sizes() == k_codes.sizes() && k_codes.element_size() == 1 &&
-                  v_codes.element_size() == 1,
-              name, ": k_codes/v_codes must be contiguous one-byte [N, block_size, KVH, CD]");
-  for (const Tensor* t : {&k_scale, &k_zero, &v_scale})
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16, name,
-                ": scales and offsets must be contiguous bfloat16");
-  TORCH_CHECK(k_scale.sizes() == at::IntArrayRef({num_blocks, num_kv_heads, d}) &&
-                  k_zero.sizes() == k_scale.sizes() &&
-                  v_scale.sizes() == at::IntArrayRef({num_blocks, block_size, num_kv_heads}),
-              name, ": k_scale/k_zero [N, KVH, D], v_scale [N, block_size, KVH]");
+  check_quantized_cache(name, kind, k_codes, v_codes, k_scale, k_zero, v_scale, num_kv_heads,
+                        d);
+  TORCH_CHECK(k_codes.size(1) == block_size, name, ": open rows and blocks differ in size");
+  const int64_t num_blocks = k_codes.size(0);
   Tensor slots = slot_mapping.contiguous(), starts = seq_starts.contiguous();
   Tensor rows = open_rows.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens &&
@@ -470,7 +499,7 @@ Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor&
     dispatch(k_open.scalar_type(), name, [&](auto r_tag) {
       using R = decltype(r_tag);
       dispatch(q_dtype, name, [&](auto q_tag) {
-        auto run = [&](auto kind_tag) {
+        dispatch_kind(kind, [&](auto kind_tag) {
           rotary_write_kv_quant_rows<decltype(kind_tag)::value>(
               qkvc.data_ptr<decltype(i_tag)>(), cosc.data_ptr<float>(), sinc.data_ptr<float>(),
               slot, start, row, num_seqs, k_open.data_ptr<R>(), v_open.data_ptr<R>(),
@@ -478,13 +507,7 @@ Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor&
               k_scale.data_ptr<c10::BFloat16>(), k_zero.data_ptr<c10::BFloat16>(),
               v_scale.data_ptr<c10::BFloat16>(), q.data_ptr<decltype(q_tag)>(), kout,
               num_heads, num_kv_heads, d, block_size);
-        };
-        if (kind == 0)
-          run(std::integral_constant<int, 0>{});
-        else if (kind == 1)
-          run(std::integral_constant<int, 1>{});
-        else
-          run(std::integral_constant<int, 2>{});
+        });
       });
     });
   });
@@ -706,28 +729,15 @@ Tensor paged_decode_attention_quant(const Tensor& q, const Tensor& k_codes,
                                     const Tensor& open_rows, double scale,
                                     at::ScalarType out_dtype, int64_t window, int64_t kind) {
   const char* name = "paged_decode_attention_quant";
-  TORCH_CHECK(kind >= 0 && kind <= 2, name, ": kind must be 0 (int8), 1 (fp8) or 2 (int4)");
   TORCH_CHECK(window >= 0, name, ": window must be >= 0");
   TORCH_CHECK(q.dim() == 3 && q.size(2) > 0 && q.size(2) % 16 == 0, name,
               ": q must be [B, H, D] with D a multiple of 16");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(2) > 0, name,
-              ": k_codes must be [N, block_size, KVH, CD]");
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(2) > 0 && heads % k_codes.size(2) == 0, name,
+              ": k_codes must be [N, block_size, KVH, CD], KVH dividing the query heads");
   const int64_t num_blocks = k_codes.size(0), block_size = k_codes.size(1);
-  const int64_t kv_heads = k_codes.size(2), cd = kind == 2 ? d / 2 : d;
-  TORCH_CHECK(k_codes.size(3) == cd && heads % kv_heads == 0, name,
-              ": head_dim or head counts do not match the cache");
-  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() &&
-                  v_codes.sizes() == k_codes.sizes() &&
-                  k_codes.element_size() == 1 && v_codes.element_size() == 1,
-              name, ": k_codes/v_codes must be contiguous one-byte tensors alike");
-  for (const Tensor* t : {&k_scale, &k_zero, &v_scale})
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16, name,
-                ": scales and offsets must be contiguous bfloat16");
-  TORCH_CHECK(k_scale.sizes() == at::IntArrayRef({num_blocks, kv_heads, d}) &&
-                  k_zero.sizes() == k_scale.sizes() &&
-                  v_scale.sizes() == at::IntArrayRef({num_blocks, block_size, kv_heads}),
-              name, ": k_scale/k_zero [N, KVH, D], v_scale [N, block_size, KVH]");
+  const int64_t kv_heads = k_codes.size(2);
+  check_quantized_cache(name, kind, k_codes, v_codes, k_scale, k_zero, v_scale, kv_heads, d);
   for (const Tensor* t : {&k_open, &v_open})
     TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(1) == block_size &&
                     t->size(2) == kv_heads && t->size(3) == d &&
@@ -756,7 +766,7 @@ Tensor paged_decode_attention_quant(const Tensor& q, const Tensor& k_codes,
     dispatch(k_open.scalar_type(), name, [&](auto r_tag) {
       using R = decltype(r_tag);
       dispatch(out_dtype, name, [&](auto o_tag) {
-        auto run = [&](auto kind_tag) {
+        dispatch_kind(kind, [&](auto kind_tag) {
           paged_decode_attention_quant_rows<decltype(kind_tag)::value>(
               qc.data_ptr<decltype(q_tag)>(), k_codes.data_ptr(), v_codes.data_ptr(),
               k_scale.data_ptr<c10::BFloat16>(), k_zero.data_ptr<c10::BFloat16>(),
@@ -764,13 +774,7 @@ Tensor paged_decode_attention_quant(const Tensor& q, const Tensor& k_codes,
               k_open.data_ptr<R>(), v_open.data_ptr<R>(), table, len, orow,
               out.data_ptr<decltype(o_tag)>(), batch, heads, kv_heads, d, block_size,
               max_blocks, static_cast<float>(scale), window);
-        };
-        if (kind == 0)
-          run(std::integral_constant<int, 0>{});
-        else if (kind == 1)
-          run(std::integral_constant<int, 1>{});
-        else
-          run(std::integral_constant<int, 2>{});
+        });
       });
     });
   });
