@@ -192,7 +192,10 @@ def test_serve_cli_with_two_workers(tiny_4kv):
                                                 temperature=0)
                 break
             except openai.APIConnectionError:
-                assert proc.poll() is None and time.time() < deadline, "server did not start"
+                if proc.poll() is not None:  # say why: its last lines of stderr
+                    pytest.fail(f"the server exited with {proc.returncode}: "
+                                f"{proc.stderr.read()[-2000:]}")
+                assert time.time() < deadline, "server did not start"
                 time.sleep(0.3)
         assert out.usage.completion_tokens == 5
         workers = [c.pid for c in psutil.Process(proc.pid).children()]
