@@ -41,6 +41,16 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Every EngineArgs option as a flag (vLLM's flag names), with its help and default."""
     from pagedserve.config import fields_by_name
@@ -57,6 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif meta.get("parse") == "bytes":
             kwargs["type"] = parse_bytes
+        elif meta.get("parse") == "json":
+            kwargs["type"] = parse_json_object
         elif f.type.startswith(("int", "float")):
             kwargs["type"] = int if f.type.startswith("int") else float
         g.add_argument(f"--{name.replace('_', '-')}", *meta.get("aliases", ()), **kwargs)

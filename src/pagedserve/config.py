@@ -150,6 +150,95 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al., ICML 2023; Chen et al., 2023): draft tokens are
+    proposed cheaply, the target model scores them all in one forward, and an acceptance
+    rule keeps exactly the target's output distribution. vLLM's ``speculative_config`` keys.
+
+    ``method``: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence
+    of the last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens), "suffix" (suffix
+    decoding, Oliaro et al. 2024: a suffix tree over the request's tokens and recent requests'
+    outputs, ``suffix_decoding_*`` options), or "draft_model" (a smaller ``model`` with the
+    same vocabulary, greedy drafts). ``num_speculative_tokens``: most drafts per step.
+    ``disable_by_batch_size``: no drafts while more sequences than this run (decode is then
+    compute-bound; 0: never disabled).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    disable_by_batch_size: int = 8
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig:
+        """From ``LLM(speculative_config={...})`` or ``--speculative-config '{json}'``.
+        Raises ValueError naming the key for an unknown key or a value out of range."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {', '.join(map(repr, unknown))}; "
+                             f"the keys are: {', '.join(sorted(known))}")
+        value = dict(value)
+        if value.get("method") is None:
+            value["method"] = "draft_model" if value.get("model") else None
+        if value["method"] not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {value['method']!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        if value["method"] == "ngram" and "prompt_lookup_min" not in value \
+                and isinstance(value.get("prompt_lookup_max"), int):
+            value["prompt_lookup_min"] = min(2, value["prompt_lookup_max"])
+        config = cls(**value)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            _positive(f"speculative_config.{name}", getattr(self, name))
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most "
+                             f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} "
+                             f"exceeds prompt_lookup_max={self.prompt_lookup_max}")
+        d = self.disable_by_batch_size
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer "
+                             f">= 0, got {d!r}")
+        for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, 1e6),
+                                ("suffix_decoding_min_token_prob", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
+                raise ValueError(f"speculative_config.{name} must be a number in "
+                                 f"[{low}, {high}], got {v!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model (the draft model's path) is "
+                                 "required for method 'draft_model'")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model applies to method 'draft_model' "
+                             f"only, not {self.method!r}")
+
+
+MAX_SPECULATIVE_TOKENS = 32
+
+
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     """An EngineArgs field: its default and the metadata the CLI is generated from
     (``help``; ``choices``; ``parse="bytes"``: a size such as 2GiB; ``aliases``: more flag
@@ -227,6 +316,11 @@ class EngineArgs:
     tensor_parallel_size: int = _opt(1, "shard the model over N processes (torch.distributed; "
                                         "KV cache memory and blocks are per worker)",
                                      aliases=("-tp",))
+    speculative_config: dict | None = _opt(
+        None, "speculative decoding, as a dict (JSON on the command line): method (ngram, "
+              "suffix or draft_model), num_speculative_tokens, and the method's options "
+              "(docs/speculative-decoding.md); greedy outputs stay the same token for token",
+        parse="json")
 
     def __post_init__(self) -> None:
         if self.block_size is None:
@@ -272,6 +366,8 @@ class EngineArgs:
         if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s < 2**20 \
                 or math.isnan(s):
             raise ValueError(f"swap_space must be a number of GiB in [0, 2**20), got {s!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.kv_allocator == "contiguous" and self.preemption_mode == "swap":
             raise ValueError("kv_allocator='contiguous' reserves max_model_len per request and "
                              "never preempts: preemption_mode='swap' does not apply")
@@ -286,6 +382,12 @@ class EngineArgs:
             raise ValueError(f"unknown engine option {', '.join(map(repr, unknown))}; the "
                              f"options are: {', '.join(known)}")
         return cls(model=model, **kwargs)
+
+    @property
+    def spec_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,

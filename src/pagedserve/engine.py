@@ -39,6 +39,7 @@ from pagedserve.outputs import KVCacheStats, RequestMetrics, RequestOutput
 from pagedserve.sampler import Sampler, sample_requests, sequence_generator
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.sequence import Request, Sequence
+from pagedserve.spec_decode import make_spec_decoder
 from pagedserve.stats import EngineStats, StatsTracker
 from pagedserve.tokenizer import load_tokenizer
 from pagedserve.worker import build_rank0
@@ -106,9 +107,10 @@ class LLMEngine:
                                               self.scheduler_config, self.cache_config,
                                               one_sequence=args.kv_allocator == "contiguous")
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.spec = make_spec_decoder(args, self)
         self.stats = StatsTracker(self.scheduler, self.block_manager, bs,
                                   self.kv_bytes_per_token, self.kv_cache.layout,
-                                  self.cache_config.debug_checks)
+                                  self.cache_config.debug_checks, self.spec)
         self.sampler = Sampler(kernels.load() if self.device.type == "cpu" else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed)
@@ -228,20 +230,28 @@ class LLMEngine:
         if result.prompt_rows:
             self.output_processor.record_prompt_logprobs_per_request(
                 result.prompt_rows, result.prompt_logits, fail)
-        seqs, logits = result.sample_seqs, result.logits
+        seqs, logits, first = result.sample_seqs, result.logits, result.first_rows
         rows = self.scheduler.fork_parallel(
-            [(s, i) for i, s in enumerate(seqs) if s.request.beam is None and not s.is_finished],
+            [(s, i) for s, i in zip(seqs, first) if s.request.beam is None and not s.is_finished],
             self._new_sequence, fail)
-        samples = sample_requests(self.sampler, [(s, i) for s, i in rows if not s.is_finished],
-                                  logits, self.generator, self.model_config.vocab_size, fail)
+        drafted = {id(s): (s, k) for s, k in zip(seqs, result.num_drafts) if k}
+        samples = sample_requests(
+            self.sampler, [(s, i, drafted[id(s)][1] if id(s) in drafted else 0)
+                           for s, i in rows if not s.is_finished],
+            logits, self.generator, self.model_config.vocab_size, fail)
+        if drafted:  # roll back the rejected drafts before the accepted ones are appended
+            self.spec.observe(self.scheduler.settle_drafts(list(drafted.values()), samples))
         self.scheduler.append_sampled(samples, self.output_processor, self.stats, fail)
-        self.scheduler.step_beams(seqs, logits, self._new_sequence, self.stats, fail)
+        self.scheduler.step_beams(seqs, first, logits, self._new_sequence, self.stats, fail)
         touched = {id(s.request): s.request for s in seqs}
         touched.update(failed)  # a request failed before sampling (prompt logprobs) too
         done: list[Request] = []
         outputs = [out for r in touched.values() if (out := self._output(r, fail, done))]
         self.scheduler.finish_requests(done)  # once per step: it rebuilds the queues
         self.stats.finished(outputs)
+        if self.spec is not None:
+            self.spec.finished(done)
+            self.spec.propose(self.scheduler.running)
         if self.cache_config.debug_checks:
             self.scheduler.check_invariants()
         return outputs

@@ -56,12 +56,16 @@ class PromptRows(NamedTuple):
 
 @dataclass
 class ModelRunnerOutput:
-    """``logits`` [len(sample_seqs), vocab] float32: one row per sequence that samples, in
-    order. ``prompt_logits`` [sum of counts, vocab] float32: for each (sequence, first, count)
+    """``logits`` [rows, vocab] float32: for each sequence that samples, in order, the row
+    of its last token at ``first_rows[i]``, followed by one row per draft it verifies
+    (``num_drafts[i]``; speculative decoding): row ``first_rows[i] + j`` predicts the token
+    after its j-th draft. ``prompt_logits`` [sum of counts, vocab] float32: for each (sequence, first, count)
     of ``prompt_rows``, the rows at positions first .. first + count - 1, which predict prompt
     tokens first + 1 .. first + count."""
 
     sample_seqs: list[Sequence] = field(default_factory=list)
+    first_rows: list[int] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None
     prompt_rows: list[PromptRows] = field(default_factory=list)
     prompt_logits: torch.Tensor | None = None
@@ -114,12 +118,17 @@ def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 
             count = min(start + n, num_prompt - 1) - start
             out.prompt_rows.append(PromptRows(seq, start, count))
             inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
+        drafts = start + n - seq.num_tokens  # > 0: the chunk ends with that many drafts
         input_ids.extend(seq.token_ids[start:start + n])
+        if drafts > 0:
+            input_ids.extend(seq.spec_token_ids[:drafts])
         positions.extend(range(start, start + n))
         for table, slots in zip(seq.block_tables, inp.slot_mapping, strict=True):
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        if start + n == seq.num_tokens:
-            inp.sample_rows.append(len(input_ids) - 1)
+        if drafts >= 0:
+            out.first_rows.append(len(inp.sample_rows))
+            out.num_drafts.append(drafts)
+            inp.sample_rows.extend(range(len(input_ids) - 1 - drafts, len(input_ids)))
             out.sample_seqs.append(seq)
     inp.groups = [([n for _, n in g], [s.num_computed_tokens + n for s, n in g],
                    [[s.block_tables[k] for s, _ in g] for k in range(num_kv_groups)])

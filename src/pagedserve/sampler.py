@@ -60,6 +60,15 @@ class SamplerOutput:
     sampled_ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    accepted: list[bool] | None = None  # with drafts: whether row i's draft was accepted
+
+    def select(self, rows: list[int]) -> SamplerOutput:
+        """The output of ``rows`` only, in that order."""
+        def pick(values):
+            return None if values is None else [values[i] for i in rows]
+        return SamplerOutput(pick(self.token_ids), pick(self.sampled_logprobs),
+                             pick(self.sampled_ranks), pick(self.top_ids),
+                             pick(self.top_logprobs), pick(self.accepted))
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
@@ -228,22 +237,48 @@ class Sampler:
         return x.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
-                 generator: torch.Generator) -> SamplerOutput:
+                 generator: torch.Generator, draft_ids: list[int] | None = None
+                 ) -> SamplerOutput:
+        """One token per row. With ``draft_ids`` [B] (a draft token per row, -1 for none;
+        speculative decoding), a row with a draft accepts it or replaces it, so that the
+        row's token follows the target distribution p exactly (Leviathan et al., ICML 2023,
+        sec. 2.3; Chen et al., 2023, algorithm 2), with a deterministic draft (q one-hot on
+        draft d): accept d with probability min(1, p(d) / q(d)) = p(d); otherwise draw from
+        the residual max(0, p - q), which is p without d. A greedy row accepts d when it is
+        the argmax. ``accepted`` then says which rows kept their draft."""
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.banned or md.bias or md.allowed is not None:
             logits = restrict(logits.clone(), md)
         if md.output_counts is not None:
             logits = apply_penalties(logits, md)
         sampled = self._argmax(logits)
+        accepted = None
+        if draft_ids is not None:
+            drafts = torch.tensor(draft_ids, dtype=torch.int64, device=logits.device)
+            has_draft = drafts >= 0
+            drafts_at = drafts.clamp_min(0)[:, None]
+            accepted = has_draft & (sampled == drafts)
         if not md.all_greedy:
             probs = _filter(logits, md)
+            if draft_ids is not None:
+                probs = probs.div_(probs.sum(dim=-1, keepdim=True))
+                p_draft = probs.gather(1, drafts_at)[:, 0]
+                u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
+                for row, gen in md.generators.items():
+                    u[row] = torch.rand(1, generator=gen, device=probs.device)[0]
+                keep = has_draft & (u < p_draft)
+                probs.scatter_(1, drafts_at, torch.where(has_draft, 0.0, p_draft)[:, None])
             q = torch.empty_like(probs).exponential_(generator=generator)
             for row, gen in md.generators.items():
                 q[row].exponential_(generator=gen)
             # q == 0 happens (float rounding); clamping keeps p = 0 rows at 0 instead of NaN.
             random = self._argmax(probs.div_(q.clamp_min_(1e-10)))
+            if draft_ids is not None:
+                random = torch.where(keep, drafts, random)
+                accepted = torch.where(md.greedy, accepted, keep)
             sampled = torch.where(md.greedy, sampled, random)
-        out = SamplerOutput(token_ids=sampled.tolist())
+        out = SamplerOutput(token_ids=sampled.tolist(),
+                            accepted=None if accepted is None else accepted.tolist())
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, sampled[:, None])
             out.sampled_logprobs = chosen[:, 0].tolist()
@@ -262,38 +297,44 @@ class SampledRows(NamedTuple):
     output: SamplerOutput
 
 
-def sample_requests(sampler: Sampler, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
-                    generator: torch.Generator, vocab_size: int, fail) -> list[SampledRows]:
-    """Sample ``rows`` (sequence, row of ``logits`` [B, vocab]) in one batch.
-    If the batch raises, each request's rows are sampled alone, and ``fail(request, error)``
-    is called for the requests that still raise, so one request's failure is its own."""
+def sample_requests(sampler: Sampler, rows: list[tuple[Sequence, int, int]],
+                    logits: torch.Tensor, generator: torch.Generator, vocab_size: int,
+                    fail) -> list[SampledRows]:
+    """Sample ``rows`` (sequence, its row of ``logits`` [B, vocab], drafts it verifies: 0
+    unless speculating, see spec_decode/verify.py) in one batch. Each returned entry is a
+    token a sequence appends (several for accepted drafts). If the batch raises, each
+    request's rows are sampled alone, and ``fail(request, error)`` is called for the requests
+    that still raise, so one request's failure is its own."""
     if not rows:
         return []
     try:
-        return [SampledRows(rows, _sample_rows(sampler, rows, logits, generator, vocab_size))]
+        return [_sample_rows(sampler, rows, logits, generator, vocab_size)]
     except Exception:
         pass
-    groups: dict[int, list[tuple[Sequence, int]]] = {}
-    for seq, i in rows:
-        groups.setdefault(id(seq.request), []).append((seq, i))
+    groups: dict[int, list[tuple[Sequence, int, int]]] = {}
+    for row in rows:
+        groups.setdefault(id(row[0].request), []).append(row)
     results = []
     for group in groups.values():
         try:
-            results.append(SampledRows(group, _sample_rows(sampler, group, logits, generator,
-                                                          vocab_size)))
+            results.append(_sample_rows(sampler, group, logits, generator, vocab_size))
         except Exception as e:
             fail(group[0][0].request, e)
     return results
 
 
-def _sample_rows(sampler: Sampler, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
-                 generator: torch.Generator, vocab_size: int) -> SamplerOutput:
-    seqs = [s for s, _ in rows]
-    index = [i for _, i in rows]
+def _sample_rows(sampler: Sampler, rows: list[tuple[Sequence, int, int]], logits: torch.Tensor,
+                 generator: torch.Generator, vocab_size: int) -> SampledRows:
+    if any(k for _, _, k in rows):
+        from pagedserve.spec_decode.verify import sample_with_drafts
+
+        return sample_with_drafts(sampler, rows, logits, generator, vocab_size)
+    seqs = [s for s, _, _ in rows]
+    index = [i for _, i, _ in rows]
     smd = build_sampling_metadata(seqs, vocab_size, logits.device)
     if index != list(range(logits.shape[0])):  # a copy of [B, vocab] only if needed
         logits = logits[index]
-    return sampler(logits, smd, generator)
+    return SampledRows([(s, i) for s, i, _ in rows], sampler(logits, smd, generator))
 
 
 def sequence_generator(seed: int, index: int, device: torch.device) -> torch.Generator:

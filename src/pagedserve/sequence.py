@@ -11,7 +11,9 @@ at ``table[p // block_size] * block_size + p % block_size``), except that a slid
 group's entries the window no longer reaches are ``NULL_BLOCK``; ``block_hashes[i]`` is the
 prefix-cache hash of full block i of ``token_ids``; the first ``num_cached_blocks`` entries of
 every table are registered in the prefix cache (null ones excepted). While swapped out,
-``swap_tables`` holds the host blocks and ``block_tables`` is empty.
+``swap_tables`` holds the host blocks and ``block_tables`` is empty. Draft tokens
+(``spec_token_ids``) are computed after ``token_ids`` in a step that verifies them; only
+those the target accepts join ``token_ids``, and the slots of the others are rolled back.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # (tokens, characters) already returned in RequestOutputKind.DELTA outputs.
     delta_offsets: tuple[int, int] = (0, 0)
+    # Speculative decoding: the draft tokens proposed to follow ``token_ids`` (not part of
+    # them until verified), and the drafter's per-sequence state (acceptance history).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: Any = None
     # With structured outputs: the grammar matcher (llguidance) that has consumed this
     # sequence's output tokens; it survives preemption, since those tokens stay.
     matcher: Any = None

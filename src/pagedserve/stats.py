@@ -7,12 +7,13 @@ only that) and as ``KVCacheStats`` (``LLM.kv_cache_stats()``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedserve.core.block_manager import NULL_BLOCK, BlockManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.kv.spec import KVLayout
 from pagedserve.outputs import KVCacheStats, KVGroupStats, RequestMetrics, RequestOutput
+from pagedserve.spec_decode import SpecDecodeStats
 
 
 @dataclass
@@ -41,6 +42,7 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     kv_group_used_blocks: list[int] = field(default_factory=list)  # per KV group
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding: its counters
     ttfts: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
@@ -49,8 +51,10 @@ class StatsTracker:
     """Counts per step what the KV cache and the batch did."""
 
     def __init__(self, scheduler: Scheduler, block_manager: BlockManager, block_size: int,
-                 kv_bytes_per_token: int, layout: KVLayout, debug_checks: bool = False):
+                 kv_bytes_per_token: int, layout: KVLayout, debug_checks: bool = False,
+                 spec=None):
         self.scheduler = scheduler
+        self.spec = spec  # a SpecDecoder, whose counters the snapshots copy
         self.layout = layout
         self.block_manager = block_manager
         self.block_size = block_size
@@ -146,6 +150,8 @@ class StatsTracker:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             kv_group_used_blocks=self._group_used_blocks(),
+            spec_decode=None if self.spec is None else replace(
+                self.spec.stats, accepted_per_pos=list(self.spec.stats.accepted_per_pos)),
             ttfts=self._ttfts, finished=self._finished)
         self._ttfts, self._finished = [], []
         return stats

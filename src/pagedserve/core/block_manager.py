@@ -168,7 +168,10 @@ class BlockManager:
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
-        full = min(num_tokens // self.block_size, len(seq.block_tables[0]))
+        # only blocks of known tokens: a block that drafts fill is cached once they are
+        # accepted (the next step's allocation)
+        full = min(num_tokens, seq.num_tokens) // self.block_size
+        full = min(full, len(seq.block_tables[0]))
         if full <= seq.num_cached_blocks:
             return
         self._update_hashes(seq)
@@ -254,6 +257,16 @@ class BlockManager:
                 table[i] = NULL_BLOCK
                 i -= 1
             if gone:
+                self.pool.free(gone)
+
+    def trim(self, seq: Sequence) -> None:
+        """Return, tail first, the blocks past those that hold ``seq``'s computed tokens
+        (after rejected drafts were rolled back: those blocks held only rejected drafts)."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        for table in seq.block_tables:
+            if len(table) > keep:
+                gone = _live(table[keep:])[::-1]
+                del table[keep:]
                 self.pool.free(gone)
 
     def forget_uncomputed(self, seq: Sequence) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -132,6 +132,8 @@ class Scheduler:
             cap = self.config.long_prefill_token_threshold
             if cap and start < seq.num_prompt_tokens:  # a prefill chunk, not a decode
                 n = min(n, cap)
+            if n == left and seq.spec_token_ids:  # the drafts follow the chunk's end
+                n = min(left + self._num_drafts(seq), budget)
             if n > 0:
                 planned.append((seq, n, hits, left))
                 budget -= n
@@ -140,6 +142,28 @@ class Scheduler:
             if not complete:
                 planned = [(s, min(n, left - 1), h, left) for s, n, h, left in planned]
         return [(s, n, h) for s, n, h, _ in planned if n > 0]
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """How many of ``seq``'s drafts may be verified: within max_model_len and max_tokens,
+        and, in a quantized cache, within the open block (a rollback past it would have to
+        restore the open row it moved on from)."""
+        k = min(len(seq.spec_token_ids), self.config.max_model_len - seq.num_tokens,
+                seq.request.max_tokens - seq.num_output_tokens - 1)
+        bm = self.block_manager
+        if bm.open_rows is not None:
+            k = min(k, bm.block_size - 1 - (seq.num_tokens - 1) % bm.block_size)
+        return max(0, k)
+
+    def _fit(self, request: Request, budget: int) -> list[tuple[Sequence, int, list[int]]]:
+        """``_plan``, and if its blocks are not free, the plan without drafts: speculation
+        never preempts a request nor keeps one waiting."""
+        items = self._plan(request, budget)
+        if items and any(s.spec_token_ids for s, _, _ in items) \
+                and not self.block_manager.can_allocate(items):
+            for s in request.live_seqs:
+                s.spec_token_ids = []
+            items = self._plan(request, budget)
+        return items
 
     def _allocate(self, items, out: SchedulerOutput) -> None:
         now = time.time()
@@ -159,6 +183,8 @@ class Scheduler:
                 # cached hits (siblings under a grammar often have equal blocks).
                 bm.take_hits(seq, hits)
         for seq, n, _ in items:
+            # the drafts this chunk computes (none unless it reaches the last token)
+            del seq.spec_token_ids[max(0, seq.num_computed_tokens + n - seq.num_tokens):]
             bm.allocate(seq, n, [], out.blocks_to_copy)
             out.scheduled.append(ScheduledChunk(seq, n))
 
@@ -174,7 +200,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            items = self._plan(request, budget)
+            items = self._fit(request, budget)
             while items and not bm.can_allocate(items):
                 victim = self.running.pop()  # newest admitted
                 self._preempt(victim, out)
@@ -199,7 +225,7 @@ class Scheduler:
             for s in seqs:
                 s.status = SequenceStatus.RUNNING
             self.running.append(request)
-            items = self._plan(request, budget)
+            items = self._fit(request, budget)
             if items and bm.can_allocate(items):
                 self._allocate(items, out)
                 budget -= sum(n for _, n, _ in items)
@@ -207,7 +233,7 @@ class Scheduler:
             request = self.waiting[0]
             if self.num_seats() + request.max_num_seqs > self.config.max_num_seqs:
                 break
-            items = self._plan(request, budget)
+            items = self._fit(request, budget)
             if not items or not bm.can_allocate(items):
                 break  # FCFS: later requests wait behind the head of the queue
             self.waiting.popleft()
@@ -298,10 +324,32 @@ class Scheduler:
     # ---- after the forward pass: the one writer of request progress -----------------------
 
     def update_from_output(self, sched: SchedulerOutput) -> None:
-        """The scheduled tokens are computed: advance each sequence past them."""
+        """The scheduled tokens are computed: advance each sequence past them (past its drafts
+        too, until ``settle_drafts`` rolls back the rejected ones)."""
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens <= seq.num_tokens:  # a window slides once drafts settle
+                self.block_manager.slide(seq)
+
+    def settle_drafts(self, drafted: list[tuple[Sequence, int]], samples: list[SampledRows]
+                      ) -> list[tuple[Sequence, int, int]]:
+        """For each (sequence, drafts it verified): the drafts accepted are those of its
+        ``samples`` entries but the last. Rolls back the rejected drafts' slots
+        (``num_computed_tokens`` moves back; blocks that held only rejected drafts return to
+        the pool now), before the accepted ones are appended. Returns (sequence, drafts
+        verified, drafts accepted) of the sequences still running."""
+        appended = Counter(id(seq) for group in samples for seq, _ in group.rows)
+        verified = []
+        for seq, k in drafted:
+            seq.spec_token_ids = []
+            if seq.is_finished or not appended[id(seq)]:  # failed while sampling: freed
+                continue
+            accepted = appended[id(seq)] - 1
+            seq.num_computed_tokens -= k - accepted
+            self.block_manager.trim(seq)
             self.block_manager.slide(seq)
+            verified.append((seq, k, accepted))
+        return verified
 
     def fork_parallel(self, rows: list[tuple[Sequence, int]], new_sequence: NewSequence,
                       fail: Fail) -> list[tuple[Sequence, int]]:
@@ -359,14 +407,14 @@ class Scheduler:
         if outputs.check_stop(seq, token):
             self.block_manager.free(seq)
 
-    def step_beams(self, seqs: list[Sequence], logits: torch.Tensor, new_sequence: NewSequence,
-                   stats: StatsTracker, fail: Fail) -> None:
-        """The beam search requests among ``seqs`` (rows of ``logits``) select their next
-        beams; a request whose selection raises is failed."""
+    def step_beams(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor,
+                   new_sequence: NewSequence, stats: StatsTracker, fail: Fail) -> None:
+        """The beam search requests among ``seqs`` (their rows of ``logits``: ``rows``)
+        select their next beams; a request whose selection raises is failed."""
         requests = {id(s.request): s.request for s in seqs if s.request.beam is not None}
         if not requests:
             return
-        row = {id(s): i for i, s in enumerate(seqs)}
+        row = {id(s): i for s, i in zip(seqs, rows)}
         for request in requests.values():
             if request.is_finished:  # failed earlier in this step
                 continue

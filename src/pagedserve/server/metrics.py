@@ -67,7 +67,18 @@ class ServerMetrics:
             group_blocks.labels(model_name, str(i), "full" if g.window is None
                                 else f"sliding_window_{g.window}")
             for i, g in enumerate(kv_groups or [])]
-        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts",
+                                              "Verifications of drafts (speculative decoding).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                                    "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.")
+        self._per_pos = Counter("pagedserve:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each position of a draft (0: first).",
+                                ["model_name", "position"], registry=r)
+        self._model_name = model_name
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0,
+                      "drafts": 0, "draft_tokens": 0, "accepted": 0}
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
         if total > self._last[key]:
@@ -87,6 +98,17 @@ class ServerMetrics:
         self._advance(self.num_preemptions, "preemptions", stats.num_preemptions)
         self._advance(self.prompt_tokens, "prompt", stats.num_prompt_tokens)
         self._advance(self.generation_tokens, "generation", stats.num_generation_tokens)
+        spec = stats.spec_decode
+        if spec is not None:
+            self._advance(self.spec_decode_num_drafts, "drafts", spec.num_drafts)
+            self._advance(self.spec_decode_num_draft_tokens, "draft_tokens",
+                          spec.num_draft_tokens)
+            self._advance(self.spec_decode_num_accepted_tokens, "accepted",
+                          spec.num_accepted_tokens)
+            for i, total in enumerate(spec.accepted_per_pos):
+                key = f"pos{i}"
+                self._last.setdefault(key, 0)
+                self._advance(self._per_pos.labels(self._model_name, str(i)), key, total)
         for ttft in stats.ttfts:
             self.time_to_first_token.observe(ttft)
         for done in stats.finished:
