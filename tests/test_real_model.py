@@ -113,3 +113,31 @@ def test_tensor_parallel_3_gives_the_same_greedy_tokens(real_llm, smollm2_path):
         assert tp3.llm_engine.kv_cache.kv.shape[-2] == 1
     finally:
         tp3.llm_engine.shutdown()
+
+
+GROUNDED = [
+    "Copy this sentence exactly: The city council met on Tuesday to discuss the new budget, "
+    "and the mayor said that it would increase funding for schools by ten percent.",
+    'Reformat this JSON with each key on its own line: {"id": 17, "title": "Paged attention", '
+    '"tags": ["kv", "cache"], "author": {"name": "Kwon", "year": 2023}}',
+    "Fix the spelling mistakes in this text and return it: The quick brwn fox jumpd over the "
+    "lazy dog. It was a sunny day and the fox was hapy.",
+]
+
+
+@pytest.mark.parametrize("method, kw", [
+    ("ngram", {}),
+    # a pool of 24 blocks for 6 sequences of up to 10 blocks each, prompts in chunks of 32
+    ("suffix", {"num_kv_blocks": 24, "max_num_batched_tokens": 32, "max_model_len": 384}),
+])
+def test_speculative_decoding_keeps_greedy_outputs(real_llm, smollm2_path, method, kw):
+    convs = [[{"role": "user", "content": q}] for q in GROUNDED + QUESTIONS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=bool(kw))
+    ref = [o.outputs[0].token_ids for o in real_llm.chat(convs, params, use_tqdm=False)]
+    llm = LLM(smollm2_path, dtype="float32", **({"kv_cache_memory": 256 << 20} | kw),
+              speculative_config={"method": method, "num_speculative_tokens": 5,
+                                  "disable_by_batch_size": 0})
+    assert [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)] == ref
+    assert llm.llm_engine.spec.stats.num_accepted_tokens > 20
+    if kw:
+        assert llm.kv_cache_stats().num_preemptions > 0

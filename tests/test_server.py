@@ -312,11 +312,11 @@ def test_twenty_clients_dropping_mid_stream_free_everything(slow_server):
         async with httpx.AsyncClient(timeout=60) as http:
             await asyncio.gather(*(drop_one(http, i) for i in range(20)))
 
-    before = server.engine.num_generation_tokens
+    before = server.engine.stats.num_generation_tokens
     asyncio.run(main())
     server.idle(timeout=2.0)
     assert not server.engine.requests
-    assert server.engine.num_generation_tokens - before < 20 * 400  # aborted, not finished
+    assert server.engine.stats.num_generation_tokens - before < 20 * 400  # aborted, not finished
     deadline = time.time() + 2  # and /metrics says so, with no request after them
     while (m := _metrics(server))["pagedserve:num_requests_running"] or \
             m["pagedserve:kv_cache_usage_perc"]:
@@ -326,11 +326,11 @@ def test_twenty_clients_dropping_mid_stream_free_everything(slow_server):
 
 def test_non_streaming_client_timeout_aborts(slow_server):
     body = {**OK_COMPLETION, "max_tokens": 400, "ignore_eos": True}
-    before = slow_server.engine.num_generation_tokens
+    before = slow_server.engine.stats.num_generation_tokens
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow_server.url + "/v1/completions", json=body, timeout=0.3)
     slow_server.idle(timeout=2.0)
-    assert slow_server.engine.num_generation_tokens - before < 400
+    assert slow_server.engine.stats.num_generation_tokens - before < 400
 
 
 def _metrics(server) -> dict[str, float]:

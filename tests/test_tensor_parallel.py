@@ -105,6 +105,20 @@ def test_tp2_equals_tp1_with_prefix_caching_preemption_and_forks(tiny_4kv):
             two.llm_engine.shutdown()
 
 
+def test_tp2_with_speculative_decoding(tiny_4kv):
+    prompts, params = shared_prefix_workload(6, 30)
+    ref = _tokens(LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=512, block_size=4)
+                  .generate(prompts, params, use_tqdm=False))
+    two = LLM(tiny_4kv, skip_tokenizer_init=True, num_kv_blocks=512, block_size=4,
+              tensor_parallel_size=2, speculative_config={
+                  "method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": 0})
+    try:  # the drafts travel in each step's ModelInput
+        assert _tokens(two.generate(prompts, params, use_tqdm=False)) == ref
+        assert two.llm_engine.spec.stats.num_accepted_tokens > 0
+    finally:
+        two.llm_engine.shutdown()
+
+
 def test_tp2_with_an_int8_cache_and_the_planner_bytes(tiny_4kv):
     from pagedserve import planner
 

@@ -4,8 +4,10 @@ One step, one way (vLLM v1's shape):
 
     sched = scheduler.schedule()                # running, swapped, waiting under one budget
     result = runner.execute(sched)              # block copies, forward, logits
-    scheduler.update_from_output(...)           # tokens, forks, beams, stops, frees
+    scheduler.update_from_output(...)           # tokens, forks, beams, stops, frees;
+                                                # rejected drafts rolled back
     output_processor.make_output(request)       # detokenized text, logprobs, RequestOutput
+    spec.propose(...)                           # speculative decoding: the next drafts
 
 Prompts are validated and tokenized by the InputProcessor before anything is queued; a bad
 one raises ValueError in ``add_request``. A failure while handling one request finishes that
@@ -112,8 +114,7 @@ class LLMEngine:
                                   self.kv_bytes_per_token, self.kv_cache.layout,
                                   self.cache_config.debug_checks, self.spec)
         self.sampler = Sampler(kernels.load() if self.device.type == "cpu" else None)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(args.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(args.seed)
         self.requests = self.scheduler.requests  # every unfinished request, by id
         self._ids, self._seq_ids, self._arrivals = (itertools.count() for _ in range(3))
         self.num_consecutive_step_failures = 0
@@ -234,13 +235,11 @@ class LLMEngine:
         rows = self.scheduler.fork_parallel(
             [(s, i) for s, i in zip(seqs, first) if s.request.beam is None and not s.is_finished],
             self._new_sequence, fail)
-        drafted = {id(s): (s, k) for s, k in zip(seqs, result.num_drafts) if k}
-        samples = sample_requests(
-            self.sampler, [(s, i, drafted[id(s)][1] if id(s) in drafted else 0)
-                           for s, i in rows if not s.is_finished],
+        samples = sample_requests(  # a sequence's spec_token_ids: the drafts it verifies
+            self.sampler, [(s, i, len(s.spec_token_ids)) for s, i in rows if not s.is_finished],
             logits, self.generator, self.model_config.vocab_size, fail)
-        if drafted:  # roll back the rejected drafts before the accepted ones are appended
-            self.spec.observe(self.scheduler.settle_drafts(list(drafted.values()), samples))
+        if self.spec is not None:  # the rejected drafts roll back before appends
+            self.spec.observe(self.scheduler.settle_drafts(seqs, samples))
         self.scheduler.append_sampled(samples, self.output_processor, self.stats, fail)
         self.scheduler.step_beams(seqs, first, logits, self._new_sequence, self.stats, fail)
         touched = {id(s.request): s.request for s in seqs}
@@ -249,9 +248,8 @@ class LLMEngine:
         outputs = [out for r in touched.values() if (out := self._output(r, fail, done))]
         self.scheduler.finish_requests(done)  # once per step: it rebuilds the queues
         self.stats.finished(outputs)
-        if self.spec is not None:
-            self.spec.finished(done)
-            self.spec.propose(self.scheduler.running)
+        if self.spec is not None:  # the next step's drafts
+            self.spec.propose(self.scheduler.running, done)
         if self.cache_config.debug_checks:
             self.scheduler.check_invariants()
         return outputs
@@ -299,11 +297,3 @@ class LLMEngine:
     def engine_stats(self) -> EngineStats:
         """Gauges, counters, and the first tokens and finished requests since the last call."""
         return self.stats.snapshot()
-
-    @property
-    def num_generation_tokens(self) -> int:
-        return self.stats.num_generation_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.stats.num_prompt_tokens

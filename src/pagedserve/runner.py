@@ -29,8 +29,10 @@ GROUP_GROWTH = 2
 MIN_GROUP_SEQS = 8
 
 
-def split_decodes(decodes: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
-    """Decodes sorted by block-table length, cut into groups of similar length."""
+def split_decodes(decodes: list[tuple[Sequence, int, int]]
+                  ) -> list[list[tuple[Sequence, int, int]]]:
+    """Decode rows (sequence, first position, 1) sorted by block-table length (stable: a
+    sequence's rows stay in order), cut into groups of similar length."""
     if not decodes:
         return []
     items = sorted(decodes, key=lambda item: len(item[0].block_table))
@@ -57,15 +59,14 @@ class PromptRows(NamedTuple):
 @dataclass
 class ModelRunnerOutput:
     """``logits`` [rows, vocab] float32: for each sequence that samples, in order, the row
-    of its last token at ``first_rows[i]``, followed by one row per draft it verifies
-    (``num_drafts[i]``; speculative decoding): row ``first_rows[i] + j`` predicts the token
+    of its last token at ``first_rows[i]``, followed by one row per draft it verifies (its
+    ``spec_token_ids``; speculative decoding): row ``first_rows[i] + j`` predicts the token
     after its j-th draft. ``prompt_logits`` [sum of counts, vocab] float32: for each (sequence, first, count)
     of ``prompt_rows``, the rows at positions first .. first + count - 1, which predict prompt
     tokens first + 1 .. first + count."""
 
     sample_seqs: list[Sequence] = field(default_factory=list)
     first_rows: list[int] = field(default_factory=list)
-    num_drafts: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None
     prompt_rows: list[PromptRows] = field(default_factory=list)
     prompt_logits: torch.Tensor | None = None
@@ -94,46 +95,60 @@ class ModelInput:
     prompt_rows: list[int] = field(default_factory=list)
 
 
-def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 1
-                  ) -> tuple[ModelInput, ModelRunnerOutput]:
+def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 1,
+                  drafts_as_decodes: bool = False) -> tuple[ModelInput, ModelRunnerOutput]:
     """Lay out one scheduled batch: the step's ModelInput (token ids, positions, the KV slot
     of each token from its sequence's block table, attention groups, the rows to project to
     logits), and an output naming the sequences whose logits it will carry (not yet
-    filled). Reads the sequences; changes none."""
+    filled). Reads the sequences; changes none.
+
+    A chunk of a sequence's last token and its drafts (speculative decoding) is laid out as
+    one decode row per token when ``drafts_as_decodes``: row j attends the positions up to
+    its own, with the sequence's block table, which is the chunk's causal attention run by
+    the decode kernel instead of the padded prefill path."""
     out = ModelRunnerOutput()
     inp = ModelInput(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                      sched.open_rows)
-    groups = split_decodes([(s, n) for s, n in sched.scheduled if n == 1])
-    prefills = [(s, n) for s, n in sched.scheduled if n > 1]
+    decodes, prefills = [], []  # (sequence, first position, tokens)
+    for seq, n in sched.scheduled:
+        start = seq.num_computed_tokens
+        if n == 1 or (drafts_as_decodes and start + 1 == seq.num_tokens):
+            decodes.extend((seq, start + j, 1) for j in range(n))
+        else:
+            prefills.append((seq, start, n))
+    groups = split_decodes(decodes)
     if prefills:
         groups.append(prefills)
     bs = block_size
     input_ids, positions = inp.input_ids, inp.positions
     inp.slot_mapping = [[] for _ in range(num_kv_groups)]
-    for seq, n in (item for group in groups for item in group):
-        start = seq.num_computed_tokens
+    rows: dict[int, tuple[Sequence, list[int]]] = {}  # sequence -> its rows that sample
+    for seq, start, n in (item for group in groups for item in group):
         num_prompt = len(seq.request.prompt_token_ids)
         if seq.request.prompt_logprobs is not None and seq.index == 0 \
                 and start < num_prompt - 1:
             count = min(start + n, num_prompt - 1) - start
             out.prompt_rows.append(PromptRows(seq, start, count))
             inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
-        drafts = start + n - seq.num_tokens  # > 0: the chunk ends with that many drafts
-        input_ids.extend(seq.token_ids[start:start + n])
-        if drafts > 0:
-            input_ids.extend(seq.spec_token_ids[:drafts])
+        if start + n > seq.num_tokens:  # the chunk ends with drafts
+            input_ids.extend((seq.token_ids + seq.spec_token_ids)[start:start + n])
+        else:
+            input_ids.extend(seq.token_ids[start:start + n])
         positions.extend(range(start, start + n))
         for table, slots in zip(seq.block_tables, inp.slot_mapping, strict=True):
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        if drafts >= 0:
-            out.first_rows.append(len(inp.sample_rows))
-            out.num_drafts.append(drafts)
-            inp.sample_rows.extend(range(len(input_ids) - 1 - drafts, len(input_ids)))
-            out.sample_seqs.append(seq)
-    inp.groups = [([n for _, n in g], [s.num_computed_tokens + n for s, n in g],
-                   [[s.block_tables[k] for s, _ in g] for k in range(num_kv_groups)])
+        first = max(start, seq.num_tokens - 1)  # the last token's row, then the drafts'
+        if first < start + n:
+            rows.setdefault(id(seq), (seq, []))[1].extend(
+                range(len(input_ids) - (start + n - first), len(input_ids)))
+    for seq, seq_rows in rows.values():
+        out.sample_seqs.append(seq)
+        out.first_rows.append(len(inp.sample_rows))
+        inp.sample_rows.extend(seq_rows)
+    inp.groups = [([n for _, _, n in g], [start + n for _, start, n in g],
+                   [[s.block_tables[k] for s, _, _ in g] for k in range(num_kv_groups)])
                   for g in groups]
-    inp.open_rows = [[s.open_row for s, _ in g] for g in groups]
+    inp.open_rows = [[s.open_row for s, _, _ in g] for g in groups]
     return inp, out
 
 
@@ -171,7 +186,9 @@ class ModelRunner:
         return ws
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, ModelRunnerOutput]:
-        return prepare_input(sched, self.block_size, self.num_kv_groups)
+        # a quantized cache's write kernel takes one open row per sequence: drafts stay a chunk
+        return prepare_input(sched, self.block_size, self.num_kv_groups,
+                             drafts_as_decodes=not self.kv_cache.spec.quantized)
 
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -331,16 +331,19 @@ class Scheduler:
             if seq.num_computed_tokens <= seq.num_tokens:  # a window slides once drafts settle
                 self.block_manager.slide(seq)
 
-    def settle_drafts(self, drafted: list[tuple[Sequence, int]], samples: list[SampledRows]
+    def settle_drafts(self, seqs: list[Sequence], samples: list[SampledRows]
                       ) -> list[tuple[Sequence, int, int]]:
-        """For each (sequence, drafts it verified): the drafts accepted are those of its
-        ``samples`` entries but the last. Rolls back the rejected drafts' slots
-        (``num_computed_tokens`` moves back; blocks that held only rejected drafts return to
-        the pool now), before the accepted ones are appended. Returns (sequence, drafts
-        verified, drafts accepted) of the sequences still running."""
+        """For each of ``seqs`` that verified drafts this step (its ``spec_token_ids``): the
+        drafts accepted are those of its ``samples`` entries but the last. Rolls back the
+        rejected drafts' slots (``num_computed_tokens`` moves back; blocks that held only
+        rejected drafts return to the pool now), before the accepted ones are appended.
+        Returns (sequence, drafts verified, drafts accepted) of the sequences still running."""
         appended = Counter(id(seq) for group in samples for seq, _ in group.rows)
         verified = []
-        for seq, k in drafted:
+        for seq in seqs:
+            k = len(seq.spec_token_ids)
+            if not k:
+                continue
             seq.spec_token_ids = []
             if seq.is_finished or not appended[id(seq)]:  # failed while sampling: freed
                 continue

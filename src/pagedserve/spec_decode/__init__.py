@@ -11,8 +11,9 @@ decoding), ``draft_model`` (a smaller model).
 
 Speculation costs compute (every draft is scored) to save weight reads (one forward for several
 tokens), so it backs off where that trade loses: per sequence after verifications that accept
-nothing, and for the whole batch above ``disable_by_batch_size`` sequences, where decode is no
-longer bound by reading the weights.
+nothing; per step to DRAFT_TOKEN_BUDGET drafts, given to the sequences whose drafts were
+accepted most; and for the whole batch above ``disable_by_batch_size`` sequences, where decode
+is no longer bound by reading the weights.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from pagedserve.config import SpeculativeConfig
 if TYPE_CHECKING:
     from pagedserve.sequence import Request, Sequence
 
+# Most draft tokens one step verifies, given first to the sequences whose drafts were
+# accepted most: every draft adds a row to every matmul, and past about this many rows a
+# decode step stops being bound by reading the weights (benchmarks/speculative.py).
+DRAFT_TOKEN_BUDGET = 16
 # A sequence whose drafts were all rejected this many verifications in a row pauses drafting
 # for PAUSE_STEPS steps, doubling with each further miss up to MAX_PAUSE_STEPS.
 MISSES_BEFORE_PAUSE = 3
@@ -40,10 +45,12 @@ class DraftState:
     k: int
     misses: int = 0
     pause: int = 0
+    rate: float = 0.5  # accepted / drafted, averaged over recent verifications
 
     def update(self, drafted: int, accepted: int, max_k: int) -> None:
         """Grow the budget while every draft is accepted, shrink it to one past the accepted
         ones otherwise, and pause after repeated misses."""
+        self.rate = 0.7 * self.rate + 0.3 * accepted / drafted
         self.k = min(max_k, 2 * drafted) if accepted == drafted else max(1, accepted + 1)
         self.misses = self.misses + 1 if accepted == 0 else 0
         if self.misses >= MISSES_BEFORE_PAUSE:
@@ -77,6 +84,7 @@ class SpecDecoder:
 
     def __init__(self, config: SpeculativeConfig, draft_runner: Any = None):
         self.config = config
+        self.draft_token_budget = DRAFT_TOKEN_BUDGET
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         if config.method == "ngram":
             from pagedserve.spec_decode.ngram import NgramProposer
@@ -91,9 +99,14 @@ class SpecDecoder:
         else:
             self.proposer = draft_runner
 
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: list[Request], finished: list[Request] = ()) -> None:
         """Set the drafts of every decoding sequence of ``running`` for the next step (none
-        above ``disable_by_batch_size`` sequences, for beam search, or while paused)."""
+        above ``disable_by_batch_size`` sequences, for beam search, or while paused), after
+        the outputs of the requests just ``finished`` joined the suffix drafter's memory."""
+        if hasattr(self.proposer, "add_output"):
+            for r in finished:
+                for s in r.seqs:
+                    self.proposer.add_output(s.output_token_ids)
         seqs = [s for r in running for s in r.live_seqs]
         for s in seqs:
             s.spec_token_ids = []
@@ -111,6 +124,14 @@ class SpecDecoder:
                 state.pause -= 1
                 continue
             wanted.append((seq, state.k))
+        if sum(k for _, k in wanted) > self.draft_token_budget:
+            wanted.sort(key=lambda item: -item[0].spec_state.rate)
+            left, fitted = self.draft_token_budget, []
+            for seq, k in wanted:
+                if left > 0:
+                    fitted.append((seq, min(k, left)))
+                    left -= k
+            wanted = fitted
         if hasattr(self.proposer, "propose_batch"):  # a draft model: it also frees the
             drafts = self.proposer.propose_batch(wanted)  # state of sequences not drafting
         else:
@@ -130,13 +151,6 @@ class SpecDecoder:
             if seq.spec_state is not None:
                 seq.spec_state.update(drafted, accepted, self.config.num_speculative_tokens)
 
-    def finished(self, requests: list[Request]) -> None:
-        """Finished requests' outputs feed the suffix drafter's global stream."""
-        if hasattr(self.proposer, "add_output"):
-            for r in requests:
-                for s in r.seqs:
-                    self.proposer.add_output(s.output_token_ids)
-
 
 def make_spec_decoder(args: Any, engine: Any) -> SpecDecoder | None:
     """The engine's SpecDecoder from ``args.speculative_config`` (None without one); a draft
@@ -149,7 +163,9 @@ def make_spec_decoder(args: Any, engine: Any) -> SpecDecoder | None:
         from pagedserve.spec_decode.draft_model import DraftModelProposer
 
         sched = engine.scheduler_config
-        seqs = min(sched.max_num_seqs, config.disable_by_batch_size or sched.max_num_seqs)
+        # at most DRAFT_TOKEN_BUDGET sequences draft in one step
+        seqs = min(sched.max_num_seqs, config.disable_by_batch_size or sched.max_num_seqs,
+                   DRAFT_TOKEN_BUDGET)
         draft = DraftModelProposer(config.model, engine.device, engine.dtype,
                                    engine.model_config.vocab_size, sched.max_model_len, seqs,
                                    config.num_speculative_tokens, engine.cache_config.block_size)

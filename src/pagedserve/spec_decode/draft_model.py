@@ -99,7 +99,7 @@ class DraftModelProposer:
         step = 0
         while live:
             sched = SchedulerOutput()
-            for seq, mirror, _ in live:
+            for _, mirror, _ in live:
                 if mirror.num_computed_tokens == mirror.num_tokens:
                     mirror.num_computed_tokens -= 1  # the last token's logits are needed
                 n = mirror.num_tokens - mirror.num_computed_tokens

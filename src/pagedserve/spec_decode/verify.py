@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.sampler import Sampler, SampledRows, build_sampling_metadata
+from pagedserve.sampler import SampledRows, Sampler, build_sampling_metadata
 from pagedserve.sequence import Sequence
 
 
