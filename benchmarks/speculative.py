@@ -14,12 +14,13 @@ speculation, in one process.
 - Crossover: 1 to 32 requests at once (input-grounded, and chat) with ngram drafts never
   disabled, against none: where speculation stops paying (the default of
   ``disable_by_batch_size``).
+- Cost: the time of one sequence's decode step verifying 0 to 8 (rejected) drafts.
 
 Greedy outputs must be the same in every mode; the benchmark says so for each set. The suffix
 drafter's memory of earlier outputs is cleared before each round, so a round never drafts
 from its own previous answers to the same prompts.
 
-    python benchmarks/speculative.py                 # everything, 2 rounds (~25 minutes)
+    python benchmarks/speculative.py                 # everything, 2 rounds (~40 minutes)
     python benchmarks/speculative.py --rounds 1 --sets grounded
 """
 
@@ -254,14 +255,43 @@ def crossover(k: int, batches: list[int], max_tokens: int) -> dict:
     return result
 
 
+def verify_cost(max_k: int, rounds: int) -> dict:
+    """Median time of a single sequence's decode step (300-token context) that verifies k
+    drafts, k = 0 .. ``max_k``, against k = 0: what a draft costs when it is rejected. The
+    drafts are set by hand; the k values run in turn, ``rounds`` times 10 steps each."""
+    llm = LLM(None, speculative_config={"method": "ngram", "num_speculative_tokens": max_k,
+                                        "disable_by_batch_size": 0})
+    engine = llm.llm_engine
+    engine.spec.propose = lambda running, finished=(): None
+    engine.add_request("cost", {"prompt_token_ids": list(range(1000, 1300))},
+                       SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    engine.step()
+    seq = engine.requests["cost"].seqs[0]
+    times: dict[int, list[float]] = {k: [] for k in range(max_k + 1)}
+    for _ in range(rounds):
+        for k in times:
+            for _ in range(10):
+                seq.spec_token_ids = [5] * k  # almost surely rejected
+                t = time.perf_counter()
+                engine.step()
+                times[k].append(time.perf_counter() - t)
+    engine.abort_request("cost")
+    base = statistics.median(times[0])
+    result = {k: {"ms": round(1000 * statistics.median(v), 2),
+                  "ratio": round(statistics.median(v) / base, 3)} for k, v in times.items()}
+    print("verification step cost:", result, flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="sequences in the aggregate run")
-    ap.add_argument("--sets", nargs="+", default=["grounded", "chat", "batch", "crossover"],
-                    choices=["grounded", "chat", "batch", "crossover"])
+    ap.add_argument("--sets", nargs="+",
+                    default=["grounded", "chat", "batch", "crossover", "cost"],
+                    choices=["grounded", "chat", "batch", "crossover", "cost"])
     ap.add_argument("--crossover-batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--out", default=results_path("speculative.json"))
     args = ap.parse_args()
@@ -280,6 +310,8 @@ def main() -> None:
         print(f"{args.batch} chats at once:", json.dumps(results["batch"], indent=1))
     if "crossover" in args.sets:
         results["crossover"] = crossover(args.k, args.crossover_batches, args.max_tokens)
+    if "cost" in args.sets:
+        results["verify_cost"] = verify_cost(8, 3)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

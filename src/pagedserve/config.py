@@ -173,7 +173,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None
-    disable_by_batch_size: int = 32
+    disable_by_batch_size: int = 8
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0

@@ -168,5 +168,6 @@ def make_spec_decoder(args: Any, engine: Any) -> SpecDecoder | None:
                    DRAFT_TOKEN_BUDGET)
         draft = DraftModelProposer(config.model, engine.device, engine.dtype,
                                    engine.model_config.vocab_size, sched.max_model_len, seqs,
-                                   config.num_speculative_tokens, engine.cache_config.block_size)
+                                   config.num_speculative_tokens, engine.cache_config.block_size,
+                                   engine.cache_config.num_blocks)
     return SpecDecoder(config, draft)

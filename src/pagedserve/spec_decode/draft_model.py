@@ -32,12 +32,15 @@ MIRROR_INDEX = -1  # a mirror is no sequence of its request's: never asks prompt
 
 class DraftModelProposer:
     """Args: ``path`` of the draft model; the target's ``vocab_size`` (the draft's must be
-    equal); ``max_model_len``; ``max_seqs``: sequences that draft at once (the cache holds
-    that many of max_model_len + ``k`` tokens). Raises ValueError for a draft whose
-    vocabulary differs or whose layers use sliding windows."""
+    equal); ``max_model_len``; ``max_seqs``: sequences that draft at once. The draft's cache
+    holds as many tokens as the target's (``max_blocks`` blocks of ``block_size``), at most
+    ``max_seqs`` sequences of max_model_len + ``k``; a sequence whose mirror finds no free
+    block drafts nothing that step. Raises ValueError for a draft whose vocabulary differs or
+    whose layers use sliding windows."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype, vocab_size: int,
-                 max_model_len: int, max_seqs: int, k: int, block_size: int):
+                 max_model_len: int, max_seqs: int, k: int, block_size: int,
+                 max_blocks: int):
         from pagedserve.worker import load_model
 
         source = open_model(path)
@@ -52,7 +55,8 @@ class DraftModelProposer:
         self.net, weight_bytes = load_model(source, dtype, device, None, TPGroup(0, 1))
         self.max_len = min(max_model_len + k, cfg.max_position_embeddings)
         self.net.init_rotary(self.max_len)
-        num_blocks = max_seqs * cdiv(self.max_len, block_size)
+        # as many tokens as the target's cache holds, at most max_seqs full-length sequences
+        num_blocks = min(max_seqs * cdiv(self.max_len, block_size), max_blocks)
         spec = resolve_kv_cache_dtype("auto", dtype)
         cache = KVCache.allocate(cfg, num_blocks, block_size, spec, device, 0,
                                  kv_layout([None] * cfg.num_hidden_layers))
