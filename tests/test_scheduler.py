@@ -162,6 +162,24 @@ def test_prepare_input_lays_out_decodes_then_prefills_with_slots_and_sample_rows
                           ([10, 6], [10, 6], [[p.block_table, q.block_table]])]
 
 
+@pytest.mark.parametrize("as_decodes", [True, False])
+def test_prepare_input_lays_out_drafts(as_decodes):
+    sched = _scheduler(block_size=4, budget=32)
+    d = _add(sched, 5, "decode")
+    _step(sched)  # 5 prompt tokens computed, token 7 sampled
+    d.spec_token_ids = [20, 21, 22]
+    out = sched.schedule()
+    assert out.scheduled[0].num_tokens == 4 and len(d.block_table) == 3
+    inp, res = prepare_input(out, 4, drafts_as_decodes=as_decodes)
+    assert inp.input_ids == [7, 20, 21, 22] and inp.positions == [5, 6, 7, 8]
+    assert inp.slot_mapping == [[d.block_table[p // 4] * 4 + p % 4 for p in range(5, 9)]]
+    assert inp.sample_rows == [0, 1, 2, 3] and res.first_rows == [0]
+    if as_decodes:  # one decode row per token, each attending up to its own position
+        assert inp.groups == [([1, 1, 1, 1], [6, 7, 8, 9], [[d.block_table] * 4])]
+    else:
+        assert inp.groups == [([4], [9], [[d.block_table]])]
+
+
 def test_prepare_input_marks_prompt_rows_for_prompt_logprobs():
     sched = _scheduler(block_size=4, budget=4)
     seq = make_sequence(list(range(3, 13)), params=SamplingParams(max_tokens=2,

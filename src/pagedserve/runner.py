@@ -130,10 +130,10 @@ def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 
             count = min(start + n, num_prompt - 1) - start
             out.prompt_rows.append(PromptRows(seq, start, count))
             inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
-        if start + n > seq.num_tokens:  # the chunk ends with drafts
-            input_ids.extend((seq.token_ids + seq.spec_token_ids)[start:start + n])
-        else:
-            input_ids.extend(seq.token_ids[start:start + n])
+        input_ids.extend(seq.token_ids[start:start + n])
+        if start + n > seq.num_tokens:  # the chunk (or this decode row) is drafts
+            input_ids.extend(seq.spec_token_ids[max(0, start - seq.num_tokens):
+                                                start + n - seq.num_tokens])
         positions.extend(range(start, start + n))
         for table, slots in zip(seq.block_tables, inp.slot_mapping, strict=True):
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))

@@ -124,20 +124,27 @@ class SpecDecoder:
                 state.pause -= 1
                 continue
             wanted.append((seq, state.k))
-        if sum(k for _, k in wanted) > self.draft_token_budget:
-            wanted.sort(key=lambda item: -item[0].spec_state.rate)
-            left, fitted = self.draft_token_budget, []
-            for seq, k in wanted:
-                if left > 0:
-                    fitted.append((seq, min(k, left)))
-                    left -= k
-            wanted = fitted
-        if hasattr(self.proposer, "propose_batch"):  # a draft model: it also frees the
-            drafts = self.proposer.propose_batch(wanted)  # state of sequences not drafting
-        else:
+        if hasattr(self.proposer, "propose_batch"):  # a draft model: the budget first (its
+            wanted = self._within_budget(wanted)      # drafts cost forwards); it also frees
+            drafts = self.proposer.propose_batch(wanted)  # the mirrors of the others
+        else:  # free to propose: the budget goes to drafts that exist
             drafts = [self.proposer.propose(seq.token_ids, k) for seq, k in wanted]
+            wanted = self._within_budget([(s, len(d)) for (s, _), d in zip(wanted, drafts)])
+            drafts = [d[:k] for (_, k), d in zip(wanted, drafts)]
         for (seq, _), d in zip(wanted, drafts):
             seq.spec_token_ids = d
+
+    def _within_budget(self, wanted: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """``wanted`` (sequence, drafts) cut to DRAFT_TOKEN_BUDGET drafts in all, the
+        sequences whose drafts were accepted most keeping theirs; the order is kept."""
+        left = self.draft_token_budget
+        if sum(k for _, k in wanted) <= left:
+            return wanted
+        cut = [0] * len(wanted)
+        for i in sorted(range(len(wanted)), key=lambda i: -wanted[i][0].spec_state.rate):
+            cut[i] = min(wanted[i][1], left)
+            left -= cut[i]
+        return [(seq, k) for (seq, _), k in zip(wanted, cut)]
 
     def observe(self, verified: list[tuple[Sequence, int, int]]) -> None:
         """Count each (sequence, drafts verified, drafts accepted) and adapt its budget."""

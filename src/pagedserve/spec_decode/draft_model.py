@@ -123,7 +123,8 @@ class DraftModelProposer:
             scheduled = {id(m) for m, _ in sched.scheduled}
             live = [(s, m, k) for s, m, k in live if id(m) in scheduled and step < k]
         drafts = []
-        for seq, _ in wanted:
+        for seq, k in wanted:
             entry = self.mirrors.get(seq.seq_id)
-            drafts.append(entry[1].token_ids[seq.num_tokens:] if entry else [])
+            drafts.append(entry[1].token_ids[seq.num_tokens:seq.num_tokens + k]
+                          if entry and k > 0 else [])
         return drafts
