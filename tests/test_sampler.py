@@ -19,7 +19,7 @@ def req(prompt=(1,), output=(), seed=None, **kw):
     for t in output:
         seq.append_token(t)
     if seed is not None:
-        seq.generator = torch.Generator().manual_seed(seed)
+        seq.seed = seed
     return seq
 
 

@@ -354,7 +354,7 @@ def test_sampled_tokens_with_speculation_follow_the_target(peaked_model):
     """Two-sample chi-square on the 2nd to 4th output tokens of 1,500 seeded requests at
     temperature 0.8 and top_p 0.9 with speculation, against 1,500 without. The drafts are
     each position's most frequent token in the plain run, so they are often right and often
-    wrong. A rejection that resampled p instead of the residual gives p-values below 1e-6."""
+    wrong. A rule biased toward the draft (taking it whenever it is the argmax) fails."""
     prompt = {"prompt_token_ids": [11, 42, 7, 99, 5]}
     kw = dict(skip_tokenizer_init=True, num_kv_blocks=2048, block_size=4, max_num_seqs=256)
     n = 1500
@@ -379,16 +379,31 @@ def test_sampled_tokens_with_speculation_follow_the_target(peaked_model):
         assert _two_sample_p(ca, cb) > ALPHA, pos
 
 
-def test_seeded_requests_repeat_with_speculation(tiny_llama, workload):
+@pytest.mark.parametrize("method", ["suffix", "oracle"])
+def test_seeded_requests_sample_the_same_tokens_with_speculation(tiny_llama, workload, method):
+    """A seeded token's randomness depends on its position only, and a row's token is the one
+    it samples without drafts: speculation changes nothing a seeded request outputs."""
     prompts, _ = workload
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, n=2)
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
-              speculative_config={"method": "suffix", "num_speculative_tokens": 4,
-                                  "disable_by_batch_size": 0})
-    first = tokens(llm.generate(prompts[:3], params, use_tqdm=False))
-    llm.llm_engine.spec.proposer.outputs.clear()  # the same drafts as the first time
-    llm.llm_engine.spec.proposer._stream = None
-    assert tokens(llm.generate(prompts[:3], params, use_tqdm=False)) == first
+    params = [SamplingParams(temperature=t, top_p=0.9, seed=3 + i, max_tokens=30, n=2,
+                             ignore_eos=True, presence_penalty=0.3)
+              for i, t in enumerate((0.5, 0.8, 1.0, 1.5) * 2)]
+    kw = dict(skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4)
+    ref = tokens(LLM(tiny_llama, **kw).generate(prompts[:8], params, use_tqdm=False))
+    llm = LLM(tiny_llama, speculative_config={"method": "ngram" if method == "oracle"
+                                              else method, "num_speculative_tokens": 4,
+                                              "disable_by_batch_size": 0}, **kw)
+    if method == "oracle":  # drafts: the reference's tokens, every third one wrong
+        full = [list(p["prompt_token_ids"]) + r for p, r in zip(
+            [p for p in prompts[:8] for _ in range(2)], ref)]
+        with_oracle(llm, [f[len(p["prompt_token_ids"]):] for f, p in zip(
+            full, [p for p in prompts[:8] for _ in range(2)])],
+            [p for p in prompts[:8] for _ in range(2)], every=3)
+    llm.llm_engine.spec.draft_token_budget = 10**6
+    assert tokens(llm.generate(prompts[:8], params, use_tqdm=False)) == ref
+    stats = llm.llm_engine.spec.stats
+    assert stats.num_drafts > 0
+    if method == "oracle":
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 # ---- drafters and options -----------------------------------------------------------------

@@ -38,7 +38,7 @@ from pagedserve.kv.quant import resolve_kv_cache_dtype
 from pagedserve.loader import open_model
 from pagedserve.output_processor import OutputProcessor
 from pagedserve.outputs import KVCacheStats, RequestMetrics, RequestOutput
-from pagedserve.sampler import Sampler, sample_requests, sequence_generator
+from pagedserve.sampler import Sampler, sample_requests, sequence_seed
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.sequence import Request, Sequence
 from pagedserve.spec_decode import make_spec_decoder
@@ -163,7 +163,7 @@ class LLMEngine:
         self.output_processor.attach(seq)
         seed = getattr(request.params, "seed", None)
         if seed is not None:
-            seq.generator = sequence_generator(seed, index, self.device)
+            seq.seed = sequence_seed(seed, index)
         return seq
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

@@ -2,9 +2,10 @@
 
 One call handles every request that samples this step, greedy and random mixed. Random draws
 use the exponential race (argmax of p_i / q_i with q_i ~ Exp(1) samples i with probability
-proportional to p_i; no normalisation needed after filtering). A seeded request draws its q from
-its own torch.Generator, so its tokens do not depend on its batch-mates or batch position;
-unseeded requests share the engine's generator (seeded by ``LLM(seed=...)``).
+proportional to p_i; no normalisation needed after filtering). A seeded request draws the q of
+each token from a generator seeded by its seed, sequence and the token's position, so its
+tokens do not depend on its batch-mates, batch position or speculation; unseeded requests
+share the engine's generator (seeded by ``LLM(seed=...)``).
 Logprobs are taken from the raw model logits (before penalties and temperature), as vLLM does.
 """
 
@@ -121,8 +122,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int,
         greedy=tensor(greedy, torch.bool),
         all_greedy=all(greedy),
         top_k=top_k, top_p=top_p, min_p=min_p,
-        generators={i: seq.generator for i, seq in enumerate(seqs)
-                    if seq.generator is not None and not greedy[i]},
+        generators={i: position_generator(seq.seed, seq.num_tokens, device)
+                    for i, seq in enumerate(seqs) if seq.seed is not None and not greedy[i]},
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         output_counts=counts, prompt_mask=prompt_mask,
         banned=banned, bias=bias, allowed=allowed_tokens(seqs, vocab_size, device),
@@ -240,45 +241,31 @@ class Sampler:
                  generator: torch.Generator, draft_ids: list[int] | None = None
                  ) -> SamplerOutput:
         """One token per row. With ``draft_ids`` [B] (a draft token per row, -1 for none;
-        speculative decoding), a row with a draft accepts it or replaces it, so that the
-        row's token follows the target distribution p exactly (Leviathan et al., ICML 2023,
-        sec. 2.3; Chen et al., 2023, algorithm 2), with a deterministic draft (q one-hot on
-        draft d): accept d with probability min(1, p(d) / q(d)) = p(d); otherwise draw from
-        the residual max(0, p - q), which is p without d. A greedy row accepts d when it is
-        the argmax. ``accepted`` then says which rows kept their draft."""
+        speculative decoding), ``accepted`` says which rows sampled exactly their draft.
+        That is speculative sampling (Leviathan et al., ICML 2023, sec. 2.3; Chen et al.,
+        2023) for a deterministic draft d (q one-hot): the draft is accepted with
+        probability p(d) = min(1, p(d) / q(d)), and a rejected row's token follows p without
+        d, renormalized: the residual max(0, p - q). The row's token is the one it samples
+        without a draft, so a seeded request's tokens do not change with speculation."""
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.banned or md.bias or md.allowed is not None:
             logits = restrict(logits.clone(), md)
         if md.output_counts is not None:
             logits = apply_penalties(logits, md)
         sampled = self._argmax(logits)
-        accepted = None
-        if draft_ids is not None:
-            drafts = torch.tensor(draft_ids, dtype=torch.int64, device=logits.device)
-            has_draft = drafts >= 0
-            drafts_at = drafts.clamp_min(0)[:, None]
-            accepted = has_draft & (sampled == drafts)
         if not md.all_greedy:
             probs = _filter(logits, md)
-            if draft_ids is not None:
-                probs = probs.div_(probs.sum(dim=-1, keepdim=True))
-                p_draft = probs.gather(1, drafts_at)[:, 0]
-                u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
-                for row, gen in md.generators.items():
-                    u[row] = torch.rand(1, generator=gen, device=probs.device)[0]
-                keep = has_draft & (u < p_draft)
-                probs.scatter_(1, drafts_at, torch.where(has_draft, 0.0, p_draft)[:, None])
             q = torch.empty_like(probs).exponential_(generator=generator)
             for row, gen in md.generators.items():
                 q[row].exponential_(generator=gen)
             # q == 0 happens (float rounding); clamping keeps p = 0 rows at 0 instead of NaN.
             random = self._argmax(probs.div_(q.clamp_min_(1e-10)))
-            if draft_ids is not None:
-                random = torch.where(keep, drafts, random)
-                accepted = torch.where(md.greedy, accepted, keep)
             sampled = torch.where(md.greedy, sampled, random)
-        out = SamplerOutput(token_ids=sampled.tolist(),
-                            accepted=None if accepted is None else accepted.tolist())
+        accepted = None
+        if draft_ids is not None:
+            accepted = (sampled == torch.tensor(draft_ids, dtype=torch.int64,
+                                                device=sampled.device)).tolist()
+        out = SamplerOutput(token_ids=sampled.tolist(), accepted=accepted)
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, sampled[:, None])
             out.sampled_logprobs = chosen[:, 0].tolist()
@@ -337,12 +324,21 @@ def _sample_rows(sampler: Sampler, rows: list[tuple[Sequence, int, int]], logits
     return SampledRows([(s, i) for s, i, _ in rows], sampler(logits, smd, generator))
 
 
-def sequence_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
-    """The generator of sequence ``index`` of a seeded request, seeded with a hash of both: the
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of a request seeded with ``seed``: a hash of both, so the
     n sequences of a seeded request draw independent, reproducible streams, and distinct
     seeds anywhere in [-2**63, 2**64) distinct ones (torch's generator keeps 63 bits, so 0 and
     2**63 would otherwise collide)."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator of the token at ``position`` of a sequence with ``seed``
+    (sequence_seed): each token's randomness depends on its position only, not on how many
+    draws came before, so a seeded sequence samples the same tokens whatever its batch,
+    chunking, preemption or speculation."""
+    digest = hashlib.sha256(f"{seed}@{position}".encode()).digest()
     generator = torch.Generator(device=device)
     generator.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return generator

@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pagedserve.outputs import Logprob, RequestMetrics, SampleLogprobs
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer
@@ -68,7 +66,7 @@ class Sequence:
     index: int
     token_ids: list[int]
     detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None  # a seeded request's sequence_seed (sampler.py)
     num_computed_tokens: int = 0
     block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

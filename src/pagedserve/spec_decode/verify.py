@@ -1,9 +1,10 @@
 """Verifying drafts: a sequence that computed k drafts has k + 1 logits rows; row i predicts
 the token after its first i drafts. Each row is sampled as if those drafts were already its
-output (penalties, min_tokens, bad words and a grammar see them), with the acceptance rule of
-``Sampler`` (speculative sampling), and the sequence keeps its rows up to the first one whose
-draft was not accepted: the accepted drafts, then one token of the target's own (the
-correction, or a bonus token when every draft was accepted).
+output (penalties, min_tokens, bad words, a grammar and a seeded request's per-position
+randomness see them), and its draft is accepted when the row samples exactly that token
+(``Sampler``: speculative sampling for deterministic drafts). The sequence keeps its rows up
+to the first one whose draft was not accepted: the accepted drafts, then one token of the
+target's own (the correction, or a bonus token when every draft was accepted).
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ class DraftPosition:
         return self.seq.request
 
     @property
-    def generator(self) -> torch.Generator | None:
-        return self.seq.generator
+    def seed(self) -> int | None:
+        return self.seq.seed
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens + len(self.extra)
 
     @property
     def output_token_ids(self) -> list[int]:
