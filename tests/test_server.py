@@ -79,7 +79,7 @@ def test_chat_streaming_equals_non_streaming(client):
 
 
 def test_completion_stream_n2_seed_stop_and_logprobs(client):
-    kwargs = dict(model=MODEL, prompt="once upon a time", max_tokens=10, n=2, seed=11,
+    kwargs = dict(model=MODEL, prompt="once upon a time", max_tokens=10, n=2, seed=12,
                   temperature=1.0, logprobs=2, extra_body={"ignore_eos": True})
     a = client.completions.create(**kwargs)
     b = client.completions.create(**kwargs)
@@ -100,11 +100,11 @@ def test_completion_stream_n2_seed_stop_and_logprobs(client):
     stop = text[3:6]
     cut = text[:text.index(stop)]
     s = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=10,
-                                  seed=11, temperature=1.0, stop=[stop],
+                                  seed=12, temperature=1.0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert s.choices[0].text == cut and s.choices[0].finish_reason == "stop"
     parts = [c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="once upon a time", max_tokens=10, seed=11, temperature=1.0,
+        model=MODEL, prompt="once upon a time", max_tokens=10, seed=12, temperature=1.0,
         stop=[stop], stream=True, extra_body={"ignore_eos": True})]
     assert "".join(parts) == cut
 
