@@ -221,7 +221,7 @@ def test_int8_cache_forks_hits_and_preemption_give_a_roomy_runs_tokens(tiny_gemm
     from pagedserve import LLM, SamplingParams
 
     prompts, params = shared_prefix_workload(10, 20)
-    params = [SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=p.max_tokens,
+    params = [SamplingParams(n=2, temperature=0.8, seed=i + 1, max_tokens=p.max_tokens,
                              ignore_eos=True) for i, p in enumerate(params)]
     roomy = LLM(tiny_gemma3, skip_tokenizer_init=True, num_kv_blocks=2048, block_size=4,
                 enable_prefix_caching=False, kv_cache_dtype="int8")
