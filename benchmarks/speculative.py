@@ -144,9 +144,8 @@ def engine(mode: str, k: int) -> LLM:
 
 def reset_memory(llm: LLM) -> None:
     spec = llm.llm_engine.spec
-    if spec is not None and hasattr(spec.proposer, "outputs"):
-        spec.proposer.outputs.clear()
-        spec.proposer._stream = None
+    if spec is not None and hasattr(spec.proposer, "forget"):
+        spec.proposer.forget()
 
 
 def spec_stats(llm: LLM) -> dict:

@@ -76,8 +76,6 @@ def test_greedy_tokens_are_the_plain_runs(tiny_llama, workload, reference, metho
     assert tokens(llm.generate(prompts, params, use_tqdm=False)) == reference
     stats = llm.llm_engine.spec.stats
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.accepted_per_pos[0] >= stats.accepted_per_pos[-1]
-    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
     # prefix hits on the second run, which drafts the same way
     again = tokens(llm.generate(prompts, params, use_tqdm=False))
     assert again == reference and llm.kv_cache_stats().prefix_cache_hits > 0
@@ -243,7 +241,7 @@ def test_backs_off_for_large_batches_and_low_acceptance(tiny_llama, workload):
     prompts, params = workload
     llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
               speculative_config={**NGRAM, "disable_by_batch_size": 4})
-    oracle = with_oracle(llm, [[]] * len(prompts), prompts)
+    with_oracle(llm, [[]] * len(prompts), prompts)
     llm.generate(prompts, params, use_tqdm=False)
     # ten requests run at once, then fewer than 5 only as they finish (lengths 30 to 60)
     assert llm.llm_engine.spec.stats.num_drafts <= 4 * 31
@@ -270,10 +268,14 @@ def test_backs_off_for_large_batches_and_low_acceptance(tiny_llama, workload):
     assert state.k == 1 and state.pause > 0
     state.update(1, 1, 8)
     assert state.k == 2 and state.misses == 0
-    assert oracle.calls >= 0
 
 
 # ---- the acceptance rule keeps the target's distribution ----------------------------------
+
+def _chi2_sf(stat: float, dof: int) -> float:
+    """P(X >= stat) for X chi-square with ``dof`` degrees of freedom."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
 
 def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """P-value of Pearson's chi-square test; bins expecting fewer than 5 are pooled."""
@@ -281,9 +283,8 @@ def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
     obs = torch.cat([observed[~small], observed[small].sum()[None]])
     exp = torch.cat([expected[~small], expected[small].sum()[None]])
     keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+    return _chi2_sf(float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()),
+                    int(keep.sum()) - 1)
 
 
 def _two_sample_p(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -293,9 +294,8 @@ def _two_sample_p(a: torch.Tensor, b: torch.Tensor) -> float:
     a = torch.cat([a[~small], a[small].sum()[None]])
     b = torch.cat([b[~small], b[small].sum()[None]])
     keep = a + b > 0
-    stat = float(((a[keep] - b[keep]) ** 2 / (a[keep] + b[keep])).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+    return _chi2_sf(float(((a[keep] - b[keep]) ** 2 / (a[keep] + b[keep])).sum()),
+                    int(keep.sum()) - 1)
 
 
 def _target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

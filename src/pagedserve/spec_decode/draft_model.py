@@ -95,15 +95,15 @@ class DraftModelProposer:
         for seq_id, (seq, _) in list(self.mirrors.items()):  # finished, or not drafting now
             if seq.is_finished or seq_id not in asked:
                 self._drop(seq_id)
-        live: list[tuple[Sequence, Sequence, int]] = []
+        live: list[tuple[Sequence, int]] = []  # (mirror, drafts it still makes)
         for seq, k in wanted:
             k = min(k, self.max_len - seq.num_tokens)
             if k > 0:
-                live.append((seq, self._mirror(seq), k))
+                live.append((self._mirror(seq), k))
         step = 0
         while live:
             sched = SchedulerOutput()
-            for _, mirror, _ in live:
+            for mirror, _ in live:
                 if mirror.num_computed_tokens == mirror.num_tokens:
                     mirror.num_computed_tokens -= 1  # the last token's logits are needed
                 n = mirror.num_tokens - mirror.num_computed_tokens
@@ -121,7 +121,7 @@ class DraftModelProposer:
                 mirror.append_token(token)
             step += 1
             scheduled = {id(m) for m, _ in sched.scheduled}
-            live = [(s, m, k) for s, m, k in live if id(m) in scheduled and step < k]
+            live = [(m, k) for m, k in live if id(m) in scheduled and step < k]
         drafts = []
         for seq, k in wanted:
             entry = self.mirrors.get(seq.seq_id)

@@ -43,8 +43,7 @@ def suffix_draft(tokens: np.ndarray, context: list[int], k: int, depth: int, spe
     limit = min(k, max(1, int(spec_factor * m)), depth - m)
     pos = ends + 1  # each occurrence's next token
     draft: list[int] = []
-    prob = score = 0.0
-    prob = 1.0
+    prob, score = 1.0, 0.0
     while len(draft) < limit:
         pos = pos[pos < tokens.size]
         nxt = tokens[pos]
@@ -82,6 +81,11 @@ class SuffixProposer:
         other = ([], 0.0) if self._stream is None else suffix_draft(
             self._stream, context, k, self.depth, self.spec_factor, self.min_prob)
         return (own if own[1] >= other[1] else other)[0]
+
+    def forget(self) -> None:
+        """Forget every remembered output."""
+        self.outputs.clear()
+        self._stream = None
 
     def add_output(self, tokens: list[int]) -> None:
         """Remember a finished request's output for later requests (the oldest beyond
