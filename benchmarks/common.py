@@ -106,7 +106,7 @@ def commit_kv_cache(llm: LLM) -> None:
     first write into a never-used block faults its pages in: at batch 64 with huge pages, about
     23 ms at each step that opens new blocks (every 16 steps), paid once per page."""
     cache = llm.llm_engine.kv_cache
-    for t in (cache.kv, cache.scales):
+    for t in (cache.kv, cache.k_params, cache.v_params, cache.kv_open):
         if t is not None:
             t.view(torch.uint8).mul_(1)  # byte-wise: the same for every cache dtype
 

@@ -34,7 +34,7 @@ def gemma():
     from pagedserve.loader.fetched import fetched_model_path
 
     path = fetched_model_path("gemma3-270m")
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 30)
+    llm = LLM(str(path), dtype="float32", prefill_dtype="float32", kv_cache_memory=1 << 30)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in SHORT] + [tok.encode(_long_text(s, 800)) for s in (3, 7)]
     assert all(len(p) > 1000 for p in prompts[3:])
@@ -86,7 +86,7 @@ def test_same_tokens_cached_and_chunked(gemma, ours):
     want = ours
     for kwargs in (dict(block_size=32, enable_prefix_caching=False, max_num_batched_tokens=64),
                    dict(max_num_batched_tokens=4096)):
-        other = LLM(str(path), dtype="float32", kv_cache_memory=1 << 30,
+        other = LLM(str(path), dtype="float32", prefill_dtype="float32", kv_cache_memory=1 << 30,
                     skip_tokenizer_init=True, **kwargs)
         assert _greedy(other, prompts) == want, kwargs
         del other
@@ -118,7 +118,7 @@ def test_same_tokens_under_preemption_in_a_tenth_of_the_demand(gemma, many, mode
     path, _, _ = gemma
     prompts, want = many
     demand = sum(6 * -(-(len(p) + NEW_TOKENS) // block_size) for p in prompts)  # 6 groups
-    tight = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=block_size,
+    tight = LLM(str(path), dtype="float32", prefill_dtype="float32", skip_tokenizer_init=True, block_size=block_size,
                 num_kv_blocks=demand // 10, max_num_batched_tokens=64, preemption_mode=mode,
                 swap_space=0.5)
     assert _greedy(tight, prompts) == want

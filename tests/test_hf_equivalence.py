@@ -29,7 +29,7 @@ def run_engine(path, prompts, max_new_tokens=NEW_TOKENS, cpu_kernels=True, **kwa
     with pytest.MonkeyPatch.context() as mp:
         if cpu_kernels is not True:
             mp.setenv("PAGEDSERVE_CPU_KERNELS", cpu_kernels or "0")
-        llm = LLM(path, skip_tokenizer_init=True, dtype="float32", **kwargs)
+        llm = LLM(path, skip_tokenizer_init=True, dtype="float32", prefill_dtype="float32", **kwargs)
     model = llm.llm_engine.runner.model
     assert (model.ops is not None) == (cpu_kernels is not False and kernels.load() is not None)
     assert (llm.llm_engine.sampler.ops is None) == (model.ops is None)
@@ -175,7 +175,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama, budget):
     import torch
 
     model = load_hf(tiny_llama)
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4,
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", prefill_dtype="float32", block_size=4,
               max_num_batched_tokens=budget, num_kv_blocks=256)
     prompts = [PROMPTS[7], PROMPTS[5], PROMPTS[7][:40]]
     llm.generate([{"prompt_token_ids": PROMPTS[7]}], SamplingParams(max_tokens=1),

@@ -142,7 +142,8 @@ def test_seeded_n4_is_reproducible_and_independent(tiny_llama):
 def test_forks_never_see_each_others_tokens(tiny_llama, prompt_len):
     """Every fork's reported logprobs equal an independent forward pass over its own tokens:
     a fork that read a sibling's K/V (a missing copy-on-write) would get different ones."""
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=256, block_size=4)
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=256, block_size=4,
+              prefill_dtype="float32")
     prompt = [(11 * j + 5) % 300 + 3 for j in range(prompt_len)]
     params = SamplingParams(n=4, temperature=1.5, seed=3, max_tokens=12, ignore_eos=True,
                             logprobs=0)
@@ -179,7 +180,8 @@ BEAM_PROMPTS = [[5, 9, 33, 71], [100, 4, 18, 19, 20, 21, 22], [7]]
 ])
 def test_beam_search_matches_transformers(tmp_path, eos, length_penalty, early_stopping):
     path = save_tiny_model(tmp_path, "llama", eos_token_id=eos)
-    llm = LLM(path, skip_tokenizer_init=True, num_kv_blocks=256, block_size=4)
+    llm = LLM(path, skip_tokenizer_init=True, num_kv_blocks=256, block_size=4,
+              prefill_dtype="float32")
     params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=length_penalty,
                               early_stopping=early_stopping)
     ours = llm.beam_search([{"prompt_token_ids": p} for p in BEAM_PROMPTS], params)

@@ -31,7 +31,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def real_llm(smollm2_path):
-    return LLM(smollm2_path, dtype="float32", kv_cache_memory=256 << 20)
+    return LLM(smollm2_path, dtype="float32", prefill_dtype="float32", kv_cache_memory=256 << 20)
 
 
 def test_greedy_matches_transformers_on_the_same_gguf(real_llm, smollm2_path):
@@ -88,7 +88,7 @@ def test_cli_generate_answers_paris(smollm2_path):
 
 def test_int4_linear_layers_answer_paris(smollm2_path):
     """The GGUF's Q4_1 weights re-packed for the int4 kernel: the quickstart answer holds."""
-    llm = LLM(smollm2_path, dtype="float32", quantization="int4", kv_cache_memory=64 << 20)
+    llm = LLM(smollm2_path, dtype="float32", prefill_dtype="float32", quantization="int4", kv_cache_memory=64 << 20)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
@@ -106,7 +106,7 @@ def test_tensor_parallel_3_gives_the_same_greedy_tokens(real_llm, smollm2_path):
     params = SamplingParams(temperature=0, max_tokens=32)
     convs = [[{"role": "user", "content": c}] for c in CHATS]
     ref = [o.outputs[0].token_ids for o in real_llm.chat(convs, params, use_tqdm=False)]
-    tp3 = LLM(smollm2_path, dtype="float32", kv_cache_memory=64 << 20, tensor_parallel_size=3)
+    tp3 = LLM(smollm2_path, dtype="float32", prefill_dtype="float32", kv_cache_memory=64 << 20, tensor_parallel_size=3)
     try:
         outs = tp3.chat(convs, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
@@ -134,7 +134,7 @@ def test_speculative_decoding_keeps_greedy_outputs(real_llm, smollm2_path, metho
     convs = [[{"role": "user", "content": q}] for q in GROUNDED + QUESTIONS[:3]]
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=bool(kw))
     ref = [o.outputs[0].token_ids for o in real_llm.chat(convs, params, use_tqdm=False)]
-    llm = LLM(smollm2_path, dtype="float32", **({"kv_cache_memory": 256 << 20} | kw),
+    llm = LLM(smollm2_path, dtype="float32", prefill_dtype="float32", **({"kv_cache_memory": 256 << 20} | kw),
               speculative_config={"method": method, "num_speculative_tokens": 5,
                                   "disable_by_batch_size": 0})
     assert [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)] == ref

@@ -7,7 +7,11 @@ The public names load on first use, so that torch-free commands (``pagedserve --
 import importlib as _importlib
 import logging as _logging
 
+from pagedserve import cpu as _cpu
 from pagedserve import envs as _envs
+
+# Before torch loads libgomp, which reads its wait policy once (pagedserve.cpu).
+_cpu.limit_spinning()
 
 __version__ = "0.1.0"
 

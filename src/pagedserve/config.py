@@ -271,6 +271,12 @@ class EngineArgs:
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
     dtype: str = _opt("auto", "weights and activations: auto (float32 on CPU, bfloat16 on "
                               "CUDA), float32, bfloat16 or float16")
+    prefill_dtype: str = _opt(
+        "auto", "the matmuls of prompt tokens in a float32 model on the CPU: bfloat16 (inputs "
+                "and weights rounded, float32 accumulation, on the CPU's matrix units), "
+                "float32 (exact), or auto: bfloat16 where the CPU has AMX or AVX512-BF16. "
+                "Generated tokens always keep the model's dtype",
+        choices=("auto", "float32", "bfloat16"))
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     block_size: int | None = _opt(None, "token slots per KV block (default 16, or 32 for a "
                                         "quantized KV cache: its per-block K scales cost half "
@@ -354,7 +360,7 @@ class EngineArgs:
                      "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("preemption_mode", "kv_allocator"):
+        for name in ("preemption_mode", "kv_allocator", "prefill_dtype"):
             choices = fields_by_name()[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got "

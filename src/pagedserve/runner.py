@@ -79,7 +79,8 @@ class ModelInput:
     ``groups``: per attention group, (query_lens, seq_lens, block tables per KV group);
     ``sample_rows`` / ``prompt_rows``: token rows projected to logits; ``open_rows`` per
     attention group, each request's open-block row (a quantized cache), and ``open_ops`` the
-    moves of those rows to do first."""
+    moves of those rows to do first; ``row_spans``: the rows as spans of prompt and
+    generated tokens (AttentionMetadata.row_spans)."""
 
     blocks_to_swap_out: list[tuple[int, int]]
     blocks_to_swap_in: list[tuple[int, int]]
@@ -93,6 +94,18 @@ class ModelInput:
         default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)
+    row_spans: list[tuple[int, int, bool]] = field(default_factory=list)
+
+
+def _extend_spans(spans: list[tuple[int, int, bool]], start: int, count: int,
+                  is_prompt: bool) -> None:
+    """Append rows [start, start + count) of kind ``is_prompt`` to ``spans``, merged into the
+    last span when it is of the same kind."""
+    if count:
+        if spans and spans[-1][2] == is_prompt:
+            spans[-1] = (spans[-1][0], start + count, is_prompt)
+        else:
+            spans.append((start, start + count, is_prompt))
 
 
 def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 1,
@@ -130,6 +143,9 @@ def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 
             count = min(start + n, num_prompt - 1) - start
             out.prompt_rows.append(PromptRows(seq, start, count))
             inp.prompt_rows.extend(range(len(input_ids), len(input_ids) + count))
+        row, in_prompt = len(input_ids), min(max(num_prompt - start, 0), n)
+        _extend_spans(inp.row_spans, row, in_prompt, True)
+        _extend_spans(inp.row_spans, row + in_prompt, n - in_prompt, False)
         input_ids.extend(seq.token_ids[start:start + n])
         if start + n > seq.num_tokens:  # the chunk (or this decode row) is drafts
             input_ids.extend(seq.spec_token_ids[max(0, start - seq.num_tokens):
@@ -225,6 +241,7 @@ class ModelRunner:
                           for s in inp.slot_mapping],
             groups=attn_groups, k_workspace=ws["k"], v_workspace=ws["v"],
             raw_workspace=ws["raw"], open_blocks=open_blocks,
+            row_spans=inp.row_spans if self.model.kernels.prefill_bf16 else [],
         )
         hidden = self.model(torch.tensor(inp.input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(inp.positions, dtype=torch.int64, device=dev),

@@ -17,6 +17,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.config import EngineArgs, ModelConfig, resolve_device, resolve_dtype
 from pagedserve.core.block_manager import cdiv
+from pagedserve.cpu import matrix_unit, set_threads
 from pagedserve.distributed.parallel_state import TPGroup, local_config
 from pagedserve.kv.cache import (
     KVCache,
@@ -50,6 +51,7 @@ class ShardOptions:
     max_model_len: int
     hybrid_kv: bool = True
     num_open: int = 0  # a quantized cache's open-block rows: one per sequence (max_num_seqs)
+    prefill_bf16: bool = False  # resolved prefill_dtype (linear_options)
 
 
 def model_kv_layout(cfg: ModelConfig, hybrid: bool) -> KVLayout:
@@ -58,19 +60,27 @@ def model_kv_layout(cfg: ModelConfig, hybrid: bool) -> KVLayout:
     return kv_layout(cfg.layer_windows(), hybrid)
 
 
-def linear_options(dtype: torch.dtype, device: torch.device,
-                   quantization: str | None) -> LinearOptions:
+def prefill_bf16(prefill_dtype: str) -> bool:
+    """Whether ``prefill_dtype`` (EngineArgs) asks for bfloat16 prompt matmuls: "auto" does
+    where the CPU has a bfloat16 matrix unit (pagedserve.cpu.matrix_unit); elsewhere oneDNN
+    emulates bfloat16 no faster than the float32 kernels."""
+    return prefill_dtype == "bfloat16" or (prefill_dtype == "auto" and matrix_unit() != "none")
+
+
+def linear_options(dtype: torch.dtype, device: torch.device, quantization: str | None,
+                   bf16_prompts: bool = False) -> LinearOptions:
     """How the model's linear layers are built: the fused CPU kernels serve a float32 model
-    on the CPU (``PAGEDSERVE_CPU_KERNELS``: see pagedserve.kernels), torch everything else."""
+    on the CPU (``PAGEDSERVE_CPU_KERNELS``: see pagedserve.kernels), torch everything else;
+    ``bf16_prompts`` gives the packed layers bfloat16 prompt matmuls (PackedLinear)."""
     ops = kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
-    return LinearOptions(ops, kernels.pack_weights(), quantization)
+    return LinearOptions(ops, kernels.pack_weights(), quantization, bf16_prompts)
 
 
 def load_model(source, dtype: torch.dtype, device: torch.device, quantization: str | None,
-               tp: TPGroup) -> tuple[LlamaForCausalLM, int]:
+               tp: TPGroup, bf16_prompts: bool = False) -> tuple[LlamaForCausalLM, int]:
     """This rank's shard of the model, built as linear_options says and loaded; returns it
     and the bytes its weights take."""
-    linear = linear_options(dtype, device, quantization)
+    linear = linear_options(dtype, device, quantization, bf16_prompts)
     with torch.device("meta"):
         net = model_class(source.config.architecture)(source.config, tp, linear)
     net = net.to_empty(device=device).to(dtype)
@@ -94,7 +104,7 @@ def build_worker(shard: ShardOptions, tp: TPGroup) -> ModelRunner:
     if device.type == "cuda":  # worker_main has made it the current device
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp.rank)))
     net, _ = load_model(open_model(shard.model), resolve_dtype(shard.dtype, device), device,
-                        shard.quantization, tp)
+                        shard.quantization, tp, shard.prefill_bf16)
     return ModelRunner(net, finish_shard(net, shard, tp), device)
 
 
@@ -163,14 +173,18 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
 
     cfg = source.config
     tp = TPGroup(0, args.tensor_parallel_size)
+    if driver is None:  # a driver sizes the ranks' threads itself
+        set_threads(1)
     t0 = time.perf_counter()
-    net, weight_bytes = load_model(source, dtype, device, args.quantization, tp)
+    bf16_prompts = prefill_bf16(args.prefill_dtype)
+    net, weight_bytes = load_model(source, dtype, device, args.quantization, tp, bf16_prompts)
     local_ranks = args.tensor_parallel_size if driver is not None and driver.procs else 1
     sizing = size_kv_cache(args, local_config(cfg, tp), spec, model_limit, device, local_ranks)
     options = ShardOptions(str(source.path), str(dtype).removeprefix("torch."), str(device),
                            args.quantization, spec.name, sizing.num_kv_blocks, args.block_size,
                            sizing.num_swap_blocks, sizing.max_model_len,
-                           sizing.layout.is_hybrid, args.max_num_seqs if spec.quantized else 0)
+                           sizing.layout.is_hybrid, args.max_num_seqs if spec.quantized else 0,
+                           bf16_prompts)
     if driver is not None:
         driver.send(options)
         tp = device_group(tp, options.device)
@@ -183,7 +197,8 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
         "model %s (%s, %d layers, %d/%d query/KV heads, head_dim %d): %.1f MB of %s weights%s "
         "on %s, loaded in %.1fs", source.path.name, cfg.architecture, cfg.num_hidden_layers,
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, weight_bytes / 1e6,
-        options.dtype, f" ({args.quantization} linear layers)" if args.quantization else "",
+        options.dtype, f" ({args.quantization} linear layers)" if args.quantization else
+        " (+ bfloat16 copies for prompt tokens)" if net.kernels.prefill_bf16 else "",
         device, time.perf_counter() - t0)
     blocks, bs, max_len = sizing.num_kv_blocks, args.block_size, sizing.max_model_len
     cache = getattr(runner, "runner", runner).kv_cache

@@ -30,6 +30,7 @@ class AttentionGroup:
     [num_tokens] int64 into the padded ``num_seqs * max_query_len`` rows, both None when every
     query is one token long. ``query_pos`` [num_seqs, max_query_len] int64: each query's
     position (padded rows 0), from which ``window_mask`` derives sliding-window masks.
+    ``lens``: each request's (query_len, seq_len) as Python ints.
     """
 
     num_seqs: int
@@ -43,6 +44,7 @@ class AttentionGroup:
     output_index: torch.Tensor | None
     query_pos: torch.Tensor
     num_queries_per_kv: int
+    lens: list[tuple[int, int]] = field(default_factory=list)
     # A quantized cache (kv/quant.py): the keys are the gathered blocks followed by each
     # request's ``tail_len`` tail rows (its unquantized K/V of positions from the start of its
     # chunk's first block); ``key_pos`` [num_seqs, max_blocks * block_size + tail_len] int64
@@ -173,7 +175,10 @@ class AttentionMetadata:
     the K/V of a group are gathered into, in the model's dtype (allocated once, reused by every
     layer and step). When the cache stores another dtype, ``raw_workspace`` (the same shape
     but the cache's dtype and code_dim) receives the gathered blocks before they are
-    converted. ``open_blocks``: a quantized cache's bookkeeping (OpenBlocks)."""
+    converted. ``open_blocks``: a quantized cache's bookkeeping (OpenBlocks).
+    ``row_spans``: the step's token rows as consecutive spans (start, end, is_prompt) covering
+    them all, is_prompt when the rows' positions are inside their request's prompt (what
+    ``prefill_dtype`` bfloat16 multiplies in bfloat16); empty when not asked for."""
 
     slot_mapping: list[torch.Tensor]
     groups: list[AttentionGroup]
@@ -181,6 +186,7 @@ class AttentionMetadata:
     v_workspace: torch.Tensor
     raw_workspace: torch.Tensor | None = None
     open_blocks: OpenBlocks | None = None
+    row_spans: list[tuple[int, int, bool]] = field(default_factory=list)
 
 
 def _pad_block_ids(block_tables: list[list[int]]) -> tuple[int, list[int]]:
@@ -275,4 +281,4 @@ def _build_group(query_lens: list[int], seq_lens: list[int],
     output_index = (torch.arange(num_seqs, device=device)[:, None] * max_query_len + j)[valid]
     return AttentionGroup(num_seqs, sum(query_lens), max_blocks, max_query_len, block_ids,
                           seq_lens_t, mask, query_index, output_index, q_pos,
-                          num_queries_per_kv)
+                          num_queries_per_kv, list(zip(query_lens, seq_lens)))

@@ -82,9 +82,51 @@ def _gather_quantized(cache: LayerKVCache, block_ids: torch.Tensor, k_out: torch
     dequantize_rows(raw, cache.v_scale.index_select(0, block_ids), name, out=v_out)
 
 
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention: q [1, H, Lq, D], k/v [1, H, Lk, D] -> (out [1, H, Lq, D],
+    logsumexp [1, H, Lq] float32); ``causal`` aligns query i with key i (Lq == Lk)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+
+
+def _attend_causal(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
+                   md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A CPU prefill group of a full-attention layer over an unquantized cache, request by
+    request and without a mask: each request's queries attend its cached context (keys before
+    its chunk: every query sees all of them) and, causally, its chunk's own keys, as two flash
+    attention calls merged by their log-sum-exp (the split of FlashAttention's online softmax,
+    Dao et al. 2022, sec. 3.1). The masked path computes every query against every padded key
+    and converts the boolean mask each layer: at 2,048 tokens this is about twice as fast.
+    q [num_tokens, num_heads, head_dim] in request order -> the same shape."""
+    bs, kvh, hd = cache.k.shape[1:]
+    heads = q.shape[1]
+    ids = g.block_ids[cache.group].view(g.num_seqs, g.max_blocks)
+    outs, start = [], 0
+    for i, (qlen, slen) in enumerate(g.lens):
+        ctx, nb = slen - qlen, -(-slen // bs)
+        k = _gather(cache.k, ids[i, :nb], md.k_workspace[:nb], md).view(1, nb * bs, kvh, hd)
+        v = _gather(cache.v, ids[i, :nb], md.v_workspace[:nb], md).view(1, nb * bs, kvh, hd)
+        # [1, L, KVH, D] -> [1, H, L, D]: each KV head repeated for its query heads
+        k = k[:, :slen].transpose(1, 2).repeat_interleave(heads // kvh, 1)
+        v = v[:, :slen].transpose(1, 2).repeat_interleave(heads // kvh, 1)
+        qi = q[start:start + qlen].transpose(0, 1)[None]
+        start += qlen
+        out, lse = _flash(qi, k[:, :, ctx:], v[:, :, ctx:], True, scale)
+        if ctx:
+            out_c, lse_c = _flash(qi, k[:, :, :ctx], v[:, :, :ctx], False, scale)
+            w = torch.sigmoid(lse - lse_c)[..., None]  # = e^lse / (e^lse + e^lse_c)
+            out = out_c + (out - out_c) * w
+        outs.append(out[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def _attend_group(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
                   md: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] of one group -> output of the same shape."""
+    if g.query_index is not None and window is None and not cache.spec.quantized \
+            and q.device.type == "cpu" and g.lens:
+        return _attend_causal(q, cache, g, md, scale)
     _, block_size, num_kv_heads, head_dim = cache.v.shape[:3] + (q.shape[-1],)
     num_heads = q.shape[1]
     n_q = num_heads // num_kv_heads

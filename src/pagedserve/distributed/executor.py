@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve import envs
+from pagedserve.cpu import set_threads, threads_per_rank
 from pagedserve.distributed.parallel_state import TPGroup, device_group
 from pagedserve.worker import build_worker
 
@@ -52,17 +53,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _threads_per_rank(world_size: int) -> int:
-    """This host's cores split between the ranks it runs."""
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
-def _set_threads(world_size: int) -> None:
-    """Give this rank its share of the cores (unless OMP_NUM_THREADS says)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(_threads_per_rank(world_size))
 
 
 class Driver:
@@ -92,13 +82,13 @@ class Driver:
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "WORLD_SIZE": str(world_size), "PAGEDSERVE_TP_PARENT": str(os.getpid())}
             if "OMP_NUM_THREADS" not in os.environ:
-                env["OMP_NUM_THREADS"] = str(_threads_per_rank(world_size))
+                env["OMP_NUM_THREADS"] = str(threads_per_rank(world_size))
             for rank in range(1, world_size):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "pagedserve.cli", "worker"],
                     env={**env, "RANK": str(rank)}))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            _set_threads(world_size)
+            set_threads(world_size)
             threading.Thread(target=self._watch, daemon=True).start()
         else:
             if int(os.environ.get("WORLD_SIZE", -1)) != world_size \
@@ -291,7 +281,7 @@ def worker_main() -> NoReturn:
 def _serve_steps() -> int:
     _die_with_parent()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _set_threads(world_size)
+    set_threads(world_size)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_timeout(),
                             init_method="env://")
     try:

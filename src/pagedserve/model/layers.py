@@ -13,7 +13,7 @@ packed for the kernels, int4) and the LM head's forms when the model is built.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,11 +38,16 @@ from pagedserve.model.quant import Int4Linear, check_quantization, quantize_q8_0
 class KernelState:
     """What every layer of one model reads to choose its ops: ``ops`` (pagedserve.kernels, or
     None for torch), ``act_dtype`` (what the projections take: bfloat16 for int4 layers, else
-    float32) and ``fused`` (the kernels run this step)."""
+    float32), ``prefill_bf16`` (packed projections multiply prompt tokens in bfloat16: see
+    PackedLinear), and per step ``fused`` (the kernels run this step) and ``row_spans``: the
+    step's rows as consecutive spans (start, end, is_prompt) covering them all, or empty when
+    prefill_bf16 is off (AttentionMetadata.row_spans)."""
 
     ops: Any = None
     act_dtype: torch.dtype = torch.float32
+    prefill_bf16: bool = False
     fused: bool = False
+    row_spans: list[tuple[int, int, bool]] = field(default_factory=list)
 
 
 class RMSNorm(nn.Module):
@@ -134,15 +139,22 @@ class LinearOptions:
     (torch). ``pack``: with ``ops``, keep float32 weights only packed for ``packed_linear``
     (False: torch's matmuls beside the other kernels, for comparisons). ``quantization``:
     None or "int4" (Int4Linear projections; raises ValueError for another name).
+    ``prefill_bf16``: packed projections multiply prompt tokens in bfloat16 (PackedLinear).
+    ``state``: the one KernelState the model and all its layers share.
     """
 
     ops: Any = None
     pack: bool = True
     quantization: str | None = None
+    prefill_bf16: bool = False
+    state: KernelState = field(init=False, compare=False)
 
     def __post_init__(self):
         if self.quantization is not None:
             check_quantization(self.quantization)
+        bf16 = self.prefill_bf16 and self.ops is not None and self.pack and not self.quantization
+        object.__setattr__(self, "state", KernelState(
+            self.ops, torch.bfloat16 if self.quantization else torch.float32, bf16))
 
     def linear(self, in_features: int, out_features: int, bias: bool = False,
                gated: bool = False) -> Linear:
@@ -151,12 +163,12 @@ class LinearOptions:
         if self.quantization is not None:
             return Int4Linear(in_features, out_features, bias)
         if self.ops is not None and self.pack:
-            return PackedLinear(in_features, out_features, bias, self.ops, gated)
+            return PackedLinear(in_features, out_features, bias, self.ops, gated, self.state)
         return Linear(in_features, out_features, bias)
 
     def kernel_state(self) -> KernelState:
         """The state a model's layers share: projections take bfloat16 under int4."""
-        return KernelState(self.ops, torch.bfloat16 if self.quantization else torch.float32)
+        return self.state
 
 
 class LMHead(nn.Module):

@@ -8,11 +8,14 @@ constructor chooses the kinds (``LinearOptions.linear``), loading finishes them.
 - ``Linear``: torch's F.linear on the float weight, the reference and what other devices run.
 - ``PackedLinear``: float32 weights kept only as the column panels of the CPU kernel
   ``packed_linear`` (register-blocked, no per-call re-pack of the weight as a BLAS call does);
-  ``gated=True`` computes SwiGLU in the matmul's epilogue.
+  ``gated=True`` computes SwiGLU in the matmul's epilogue. With ``prefill_dtype`` bfloat16 it
+  also keeps a bfloat16 copy of the weight for the rows of prompt tokens (below).
 - ``Int4Linear`` (model/quant.py): 4-bit groups of 32 with bfloat16 scales and offsets.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,21 +72,56 @@ class PackedLinear(Linear):
     gated=True (a SwiGLU gate|up projection without bias, ``out_features`` = 2I): the weight
     is packed by pack_gated_weight and forward returns silu(gate) * up, [..., I], from the
     matmul's epilogue. Raises ValueError for a gated projection with a bias or an odd width.
+
+    ``state`` (model/layers.py KernelState) with ``prefill_bf16``: the layer also keeps the
+    weight in bfloat16 (``weight_bf16`` [out, in]) and multiplies the rows of the step's
+    ``state.row_spans`` marked low-precision (the prompt tokens) by it, inputs rounded to
+    bfloat16 and products accumulated in float32 by oneDNN on the CPU's matrix units (AMX
+    tiles, or AVX-512 BF16's ``vdpbf16ps``). Prefill is compute-bound and those units multiply
+    2x (AVX-512 BF16) to ~16x (AMX) faster than float32 FMAs; decode rows are bound by reading
+    the weight and keep the float32 panels, so generated tokens are computed exactly as in
+    float32 mode. Whether a row is low-precision depends only on its token being a prompt
+    token, never on the batch, so chunking, caching and preemption give the same tokens.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops,
-                 gated: bool = False):
+                 gated: bool = False, state: Any = None):
         if gated and (bias or out_features % 2):
             raise ValueError("a gated PackedLinear needs a gate|up projection without bias")
         super().__init__(in_features, out_features, bias)
-        self.ops, self.gated = ops, gated
+        self.ops, self.gated, self.state = ops, gated, state
+        self.register_buffer("weight_bf16", None, persistent=False)
 
     def finish_loading(self) -> None:
+        if self.state is not None and self.state.prefill_bf16:
+            self.weight_bf16 = self.weight.detach().to(torch.bfloat16)
         pack = pack_gated_weight if self.gated else pack_linear_weight
         self.weight = nn.Parameter(pack(self.weight.detach()), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features // 2 if self.gated else self.out_features
-        y = self.ops.packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias, n,
-                                   None, self.gated)
-        return y.view(*x.shape[:-1], n)
+        return self.ops.packed_linear(x, self.weight, self.bias, n, None, self.gated)
+
+    def _bf16(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight_bf16)
+        if self.gated:  # SwiGLU in float32, as the packed kernel's epilogue
+            return self.ops.silu_and_mul(y.float(), torch.float32)
+        y = y.float()
+        return y if self.bias is None else y.add_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        spans = self.state.row_spans if self.weight_bf16 is not None else None
+        if not spans:
+            y = self._packed(x2)
+        elif len(spans) == 1:
+            y = self._bf16(x2) if spans[0][2] else self._packed(x2)
+        else:
+            y = torch.cat([(self._bf16 if low else self._packed)(x2[a:b])
+                           for a, b, low in spans])
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def nbytes(self) -> int:
+        """Bytes of the bfloat16 copy (the packed weight is a parameter)."""
+        w = self.weight_bf16
+        return 0 if w is None else w.numel() * w.element_size()

@@ -1,0 +1,123 @@
+"""What the CPU under the engine really offers, and how the engine behaves on shared cores.
+
+- ``usable_cpus()``: the CPUs this process may run on (its affinity mask) capped by its cgroup
+  CPU quota (v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``), not the host's core count: a container
+  limited to 2 CPUs on a 64-core host gets 2 threads, not 64 that the quota throttles.
+- ``limit_spinning()``: OpenMP threads (torch's intra-op pool, which the fused kernels share)
+  busy-wait for the next parallel region; libgomp's default is 300,000 spins. On cores that
+  other processes also want, those spins burn the engine's own time slices while the thread
+  that holds up the barrier waits to be scheduled, and decode collapsed to a few percent of its
+  quiet rate (docs/performance.md, "Shared cores"). A spin count of ``SPIN_COUNT`` keeps the
+  quiet speed (regions follow each other within microseconds) and yields the core soon after.
+  libgomp reads the variable once, when torch loads it, so this runs when ``pagedserve`` is
+  imported; an explicit ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
+- ``cpu_flags()`` / ``matrix_unit()``: the instruction-set extensions that choose the matmul
+  path for large chunks (model/linear.py): AMX tiles, AVX-512 BF16, or neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from pathlib import Path
+
+SPIN_COUNT = "10000"  # measured: quiet decode unchanged, 6x faster beside two busy loops
+
+
+def limit_spinning() -> bool:
+    """Set ``GOMP_SPINCOUNT`` for this process and its children unless the user chose a wait
+    policy. Returns False when torch (hence libgomp) was already loaded, so it comes too late
+    for this process."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    return "torch" not in sys.modules
+
+
+def _cgroup_quota(root: Path = Path("/sys/fs/cgroup"),
+                  proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs allowed by this process's cgroup quota (e.g. 1.5), or None when unlimited or
+    unknown. Reads cgroup v2 (``cpu.max``: "quota period" or "max period") and v1
+    (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, quota -1 = none), at the process's own
+    cgroup path and its ancestors (a parent's limit binds its children too)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        hier, controllers, path = line.split(":", 2)
+        v2 = hier == "0" and controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        base = root / "unified" if v2 and (root / "unified").is_dir() else root
+        if not v2:
+            base = root / "cpu" if (root / "cpu").is_dir() else root / controllers
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = base.joinpath(*parts[:depth])
+            try:
+                if v2:
+                    quota, period = (d / "cpu.max").read_text().split()[:2]
+                    if quota != "max":
+                        limits.append(int(quota) / int(period))
+                else:
+                    quota = int((d / "cpu.cfs_quota_us").read_text())
+                    if quota > 0:
+                        limits.append(quota / int((d / "cpu.cfs_period_us").read_text()))
+            except (OSError, ValueError):
+                continue
+    return min(limits) if limits else None
+
+
+@functools.cache
+def usable_cpus() -> int:
+    """CPUs this process can really use: its affinity mask, capped by the cgroup CPU quota
+    (rounded up: a 1.5-CPU quota still runs two threads in parallel part of the time).
+    At least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
+
+
+def threads_per_rank(world_size: int) -> int:
+    """The usable CPUs split between ``world_size`` ranks on this host, at least 1."""
+    return max(1, usable_cpus() // world_size)
+
+
+def set_threads(world_size: int = 1) -> None:
+    """Cap torch's intra-op pool (which the fused kernels use) at this rank's share of the
+    usable CPUs, unless ``OMP_NUM_THREADS`` says otherwise. Never raises the count, so a
+    smaller ``torch.set_num_threads`` of the application stays."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(min(torch.get_num_threads(), threads_per_rank(world_size)))
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of /proc/cpuinfo's first processor (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def matrix_unit(flags: frozenset[str] | None = None) -> str:
+    """The fastest bfloat16 matmul unit of this CPU: "amx" (AMX tiles, Sapphire Rapids and
+    later), "avx512_bf16" (``vdpbf16ps``, e.g. Zen 4, Cooper Lake) or "none"."""
+    flags = cpu_flags() if flags is None else flags
+    if {"amx_bf16", "amx_tile"} <= flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "none"

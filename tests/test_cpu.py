@@ -1,0 +1,110 @@
+"""pagedserve.cpu: usable CPUs from affinity and cgroup quotas, the OpenMP spin limit set
+before torch loads, the matrix-unit choice from CPU flags, and thread caps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from pagedserve import cpu
+
+
+def _cgroup(tmp_path, lines: str, files: dict[str, str]):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text(lines)
+    root = tmp_path / "fs"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    root.mkdir(exist_ok=True)
+    return cpu._cgroup_quota(root, proc)
+
+
+def test_cgroup_v2_quota(tmp_path):
+    assert _cgroup(tmp_path, "0::/job\n", {"job/cpu.max": "150000 100000\n"}) == 1.5
+
+
+def test_cgroup_v2_unlimited_and_parent_limit(tmp_path):
+    assert _cgroup(tmp_path, "0::/a/b\n", {"a/b/cpu.max": "max 100000\n"}) is None
+    # a parent's quota binds its children
+    assert _cgroup(tmp_path / "x", "0::/a/b\n", {"a/b/cpu.max": "max 100000\n",
+                                                 "a/cpu.max": "300000 100000\n"}) == 3.0
+
+
+def test_cgroup_v1_quota(tmp_path):
+    lines = "2:cpuacct:/\n1:cpu:/pod\n0::/\n"
+    assert _cgroup(tmp_path, lines, {"cpu/pod/cpu.cfs_quota_us": "200000\n",
+                                     "cpu/pod/cpu.cfs_period_us": "100000\n"}) == 2.0
+    assert _cgroup(tmp_path / "y", lines, {"cpu/pod/cpu.cfs_quota_us": "-1\n",
+                                           "cpu/pod/cpu.cfs_period_us": "100000\n"}) is None
+
+
+def test_no_cgroup_file(tmp_path):
+    assert cpu._cgroup_quota(tmp_path, tmp_path / "missing") is None
+
+
+def test_usable_cpus_capped_by_quota(monkeypatch):
+    cpu.usable_cpus.cache_clear()
+    try:
+        monkeypatch.setattr(cpu, "_cgroup_quota", lambda: 1.2)
+        affinity = len(os.sched_getaffinity(0))
+        assert cpu.usable_cpus() == min(affinity, 2)
+        cpu.usable_cpus.cache_clear()
+        monkeypatch.setattr(cpu, "_cgroup_quota", lambda: 0.5)
+        assert cpu.usable_cpus() == 1
+        assert cpu.threads_per_rank(4) == 1
+    finally:
+        cpu.usable_cpus.cache_clear()
+
+
+def test_set_threads_only_lowers(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        monkeypatch.setattr(cpu, "usable_cpus", lambda: 64)
+        torch.set_num_threads(1)
+        cpu.set_threads(1)
+        assert torch.get_num_threads() == 1  # an application's smaller choice stays
+        monkeypatch.setattr(cpu, "usable_cpus", lambda: 1)
+        torch.set_num_threads(2)
+        cpu.set_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_matrix_unit_from_flags():
+    assert cpu.matrix_unit(frozenset({"avx512f", "amx_tile", "amx_bf16", "avx512_bf16"})) == "amx"
+    assert cpu.matrix_unit(frozenset({"avx512f", "avx512_bf16"})) == "avx512_bf16"
+    assert cpu.matrix_unit(frozenset({"avx2", "fma"})) == "none"
+    assert cpu.matrix_unit(frozenset()) == "none"
+
+
+def test_limit_spinning_respects_the_user(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cpu.limit_spinning()
+    assert os.environ["GOMP_SPINCOUNT"] == cpu.SPIN_COUNT
+    monkeypatch.setenv("GOMP_SPINCOUNT", "77")
+    cpu.limit_spinning()
+    assert os.environ["GOMP_SPINCOUNT"] == "77"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cpu.limit_spinning()
+    assert "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_import_sets_spin_count_before_torch():
+    """Importing pagedserve sets the variable without loading torch, so libgomp reads it when
+    torch loads; called after torch, limit_spinning reports that it came too late."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = ("import os, sys, pagedserve; print(os.environ.get('GOMP_SPINCOUNT'), "
+            "'torch' in sys.modules); import torch, pagedserve.cpu as c; "
+            "print(c.limit_spinning())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [cpu.SPIN_COUNT, "False", "False"]
