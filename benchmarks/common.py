@@ -92,6 +92,18 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int = 64, decode_tokens: int =
             "context": prompt_len + 1 + steps / 2}
 
 
+def prefill_rate(llm: LLM, prompt_len: int = 512, n: int = 12) -> float:
+    """Prompt tokens/s of ``n`` distinct ``prompt_len``-token prompts (one output token each;
+    prefix caching cannot help: no two share a first block)."""
+    base = int(time.perf_counter_ns() % 10_000)  # new prompts each call: no prefix hits
+    prompts = [{"prompt_token_ids": [(base + 7 * i + 13 * j) % 30_000 + 100
+                                     for j in range(prompt_len)]} for i in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return n * prompt_len / (time.perf_counter() - t0)
+
+
 def positive(text: str) -> int:
     """argparse type: an integer of at least 1."""
     value = int(text)

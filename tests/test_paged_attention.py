@@ -39,10 +39,11 @@ def random_cache(num_blocks, block_size, num_kv_heads, head_dim, spec, g):
 
 
 def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0,
-             kv_cache_dtype="auto"):
-    """seqs: list of (context_len_including_new, num_new_tokens)."""
+             kv_cache_dtype="auto", model_dtype=torch.float32):
+    """seqs: list of (context_len_including_new, num_new_tokens). A bfloat16 model's queries
+    and new K/V are rounded to bfloat16 and compared at bfloat16's tolerance."""
     g = torch.Generator().manual_seed(seed)
-    spec = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+    spec = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
     num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
     cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, spec, g)
     free = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
@@ -75,20 +76,21 @@ def run_case(block_size, num_heads, num_kv_heads, seqs, head_dim=32, seed=0,
     rows = sum(len(t) for t in tables.values()) * 2
     md = AttentionMetadata(
         slot_mapping=[torch.tensor([s for i in order for s in slots[i]])], groups=groups,
-        k_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim),
-        v_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim),
+        k_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim, dtype=model_dtype),
+        v_workspace=torch.empty(rows, block_size, num_kv_heads, head_dim, dtype=model_dtype),
     )
-    q = torch.cat([qs[i] for i in order])
-    k_new = torch.cat([full_k[i][seqs[i][0] - seqs[i][1]:] for i in order])
-    v_new = torch.cat([full_v[i][seqs[i][0] - seqs[i][1]:] for i in order])
-    if spec.storage_dtype != torch.float32:
+    q = torch.cat([qs[i] for i in order]).to(model_dtype)
+    k_new = torch.cat([full_k[i][seqs[i][0] - seqs[i][1]:] for i in order]).to(model_dtype)
+    v_new = torch.cat([full_v[i][seqs[i][0] - seqs[i][1]:] for i in order]).to(model_dtype)
+    if spec.storage_dtype != model_dtype:
         md.raw_workspace = torch.empty(rows, block_size, num_kv_heads, head_dim,
                                        dtype=spec.storage_dtype)
     out = paged_attention(q, k_new, v_new, cache, md, scale)
-    ref = torch.cat([dense_reference(qs[i], stored(full_k[i], spec), stored(full_v[i], spec),
-                                     scale) for i in order])
-    assert out.shape == ref.shape
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ref = torch.cat([dense_reference(qs[i].to(model_dtype).float(), stored(full_k[i], spec),
+                                     stored(full_v[i], spec), scale) for i in order])
+    assert out.shape == ref.shape and out.dtype == model_dtype
+    tol = 1e-5 if model_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     # the new tokens' K/V went to their slots
     for i in order:
         ctx, n = seqs[i]
@@ -126,3 +128,11 @@ def test_bfloat16_cache_equals_attention_on_its_values(heads, block_size):
     # and it is not the full-precision answer (the reference is really the stored values)
     full = run_case(block_size, *heads, seqs)
     assert (out - full).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bfloat16_model_prefill_with_context(block_size):
+    """A bfloat16 model's chunk over cached context keeps its dtype through the merge of the
+    context and chunk attention."""
+    run_case(block_size, 9, 3, [(50, 9), (37, 1), (23, 23), (70, 16)],
+             model_dtype=torch.bfloat16)

@@ -116,7 +116,7 @@ def _attend_causal(q: torch.Tensor, cache: LayerKVCache, g: AttentionGroup,
         if ctx:
             out_c, lse_c = _flash(qi, k[:, :, :ctx], v[:, :, :ctx], False, scale)
             w = torch.sigmoid(lse - lse_c)[..., None]  # = e^lse / (e^lse + e^lse_c)
-            out = out_c + (out - out_c) * w
+            out = (out_c + (out - out_c) * w).to(q.dtype)
         outs.append(out[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
