@@ -38,16 +38,25 @@ from pagedserve.model.quant import Int4Linear, check_quantization, quantize_q8_0
 class KernelState:
     """What every layer of one model reads to choose its ops: ``ops`` (pagedserve.kernels, or
     None for torch), ``act_dtype`` (what the projections take: bfloat16 for int4 layers, else
-    float32), ``prefill_bf16`` (packed projections multiply prompt tokens in bfloat16: see
-    PackedLinear), and per step ``fused`` (the kernels run this step) and ``row_spans``: the
-    step's rows as consecutive spans (start, end, is_prompt) covering them all, or empty when
-    prefill_bf16 is off (AttentionMetadata.row_spans)."""
+    float32; per step bfloat16 too when prefill_bf16 and every row is a prompt token's: the
+    projections round their inputs to bfloat16 then anyway, so the norms, attention and SwiGLU
+    emit it instead of a float32 copy), ``prefill_bf16`` (packed projections multiply prompt
+    tokens in bfloat16: see PackedLinear), and per step ``fused`` (the kernels run this step)
+    and ``row_spans``: the step's rows as consecutive spans (start, end, is_prompt) covering
+    them all, or empty when prefill_bf16 is off (AttentionMetadata.row_spans)."""
 
     ops: Any = None
     act_dtype: torch.dtype = torch.float32
     prefill_bf16: bool = False
     fused: bool = False
     row_spans: list[tuple[int, int, bool]] = field(default_factory=list)
+    weights_act_dtype: torch.dtype = torch.float32  # act_dtype outside all-prompt steps
+
+    def start_step(self, fused: bool, row_spans: list[tuple[int, int, bool]]) -> None:
+        """Set the per-step fields (above) for a step of ``row_spans``."""
+        self.fused, self.row_spans = fused, row_spans
+        all_prompt = self.prefill_bf16 and len(row_spans) == 1 and row_spans[0][2]
+        self.act_dtype = torch.bfloat16 if all_prompt else self.weights_act_dtype
 
 
 class RMSNorm(nn.Module):
@@ -153,8 +162,9 @@ class LinearOptions:
         if self.quantization is not None:
             check_quantization(self.quantization)
         bf16 = self.prefill_bf16 and self.ops is not None and self.pack and not self.quantization
-        object.__setattr__(self, "state", KernelState(
-            self.ops, torch.bfloat16 if self.quantization else torch.float32, bf16))
+        act = torch.bfloat16 if self.quantization else torch.float32
+        object.__setattr__(self, "state", KernelState(self.ops, act, bf16,
+                                                      weights_act_dtype=act))
 
     def linear(self, in_features: int, out_features: int, bias: bool = False,
                gated: bool = False) -> Linear:

@@ -104,8 +104,8 @@ class PackedLinear(Linear):
 
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(torch.bfloat16), self.weight_bf16)
-        if self.gated:  # SwiGLU in float32, as the packed kernel's epilogue
-            return self.ops.silu_and_mul(y.float(), torch.float32)
+        if self.gated:  # SwiGLU computed in float32, output in the step's act_dtype
+            return self.ops.silu_and_mul(y, self.state.act_dtype)
         y = y.float()
         return y if self.bias is None else y.add_(self.bias)
 

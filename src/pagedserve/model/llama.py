@@ -124,8 +124,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)
-        self.kernels.fused = self.fused_kernels(kv_caches[0].spec)
-        self.kernels.row_spans = md.row_spans
+        self.kernels.start_step(self.fused_kernels(kv_caches[0].spec), md.row_spans)
         y = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             y = layer(x, y, rope if layer.self_attn.window is None else local, kv_cache, md)
