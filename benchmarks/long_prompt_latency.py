@@ -28,7 +28,7 @@ def one_round(llm: LLM, threshold: int, prompt_len: int, streams: int, seed: int
     # the one scheduler, re-bounded between rounds (SchedulerConfig is frozen)
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
                                                   long_prefill_token_threshold=threshold)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i in range(streams):
         engine.add_request(f"s{i}", {"prompt_token_ids": [(seed + 7 * i + j) % 20_000 + 100
                                                           for j in range(64)]}, params)

@@ -22,7 +22,11 @@ from common import results_path
 
 SETTINGS = {"libgomp default (300,000 spins)": {"GOMP_SPINCOUNT": "300000"},
             "pagedserve default": {},
-            "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
+            "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+            "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"},
+            "GOMP_SPINCOUNT=100": {"GOMP_SPINCOUNT": "100"},
+            "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"}}
+DEFAULT_SETTINGS = list(SETTINGS)[:3]
 
 
 def child(busy: int) -> None:
@@ -50,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the engine")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=results_path("shared-cores.json"))
     args = ap.parse_args()
@@ -57,9 +62,10 @@ def main() -> None:
         child(args.busy)
         return
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    runs: dict[str, list] = {name: [] for name in SETTINGS}
+    runs: dict[str, list] = {name: [] for name in args.settings}
     for _ in range(args.rounds):
-        for name, env in SETTINGS.items():
+        for name in args.settings:
+            env = SETTINGS[name]
             out = subprocess.run([sys.executable, __file__, "--child", "--busy", str(args.busy)],
                                  env={**base, **env, "PAGEDSERVE_LOGGING_LEVEL": "WARNING"},
                                  capture_output=True, text=True, check=True)
@@ -77,8 +83,9 @@ def main() -> None:
         table[name] = best
         print(f"| {name} | {q[1]:.1f} | {s[1]:.1f} | {100 * s[1] / q[1]:.0f}% | {q[16]:.0f} | "
               f"{s[16]:.0f} | {100 * s[16] / q[16]:.0f}% |")
-    Path(args.json).write_text(json.dumps({"busy": args.busy, "best": table, "runs": runs},
-                                          indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"busy": args.busy, "best": table, "runs": runs},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -108,3 +108,69 @@ def test_import_sets_spin_count_before_torch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == [cpu.SPIN_COUNT, "False", "False"]
+
+
+class _Clock:
+    def __init__(self):
+        self.now, self.waited, self.calls = 0.0, 0, []
+
+    def step(self, seconds: float, wait_share: float) -> None:
+        self.now += seconds
+        self.waited += int(seconds * wait_share * 1e9)
+
+
+def _guard(clock):
+    return cpu.ContentionGuard(2, interval=0.5, clock=lambda: clock.now,
+                               read=lambda: (0, clock.waited),
+                               set_threads=clock.calls.append)
+
+
+def test_contention_guard_drops_to_one_thread_and_back():
+    c = _Clock()
+    g = _guard(c)
+    c.step(0.6, 0.01)
+    g.check()
+    assert c.calls == []  # quiet: untouched
+    c.step(0.6, 0.4)
+    g.check()
+    assert c.calls == [1]  # the thread waited 40% of the time for a CPU
+    c.step(0.6, 0.3)
+    g.check()
+    assert c.calls == [1]  # still contended with one thread
+    for _ in range(4):  # quiet again: back to 2 once the hold (2 s) is over
+        c.step(0.6, 0.0)
+        g.check()
+    assert c.calls == [1, 2]
+
+
+def test_contention_guard_backs_off_when_the_full_count_oversubscribes():
+    """One spare core: one thread sees no wait, two threads do. Each failed restore doubles the
+    hold, so the flips get rarer."""
+    c = _Clock()
+    g = _guard(c)
+    flips, t = [], 0.0
+    while t < 120:
+        share = 0.3 if g.threads and not g.reduced else 0.0
+        c.step(0.5, share)
+        t += 0.5
+        g.check()
+        if len(c.calls) > len(flips):
+            flips.append(t)
+    restores = [t for t, n in zip(flips, c.calls) if n == 2]
+    assert len(restores) >= 3
+    gaps = [b - a for a, b in zip(restores, restores[1:])]
+    assert all(b > a for a, b in zip(gaps, gaps[1:]))  # growing holds
+    assert g.hold <= cpu.ContentionGuard.MAX_HOLD
+
+
+def test_contention_guard_idle_without_schedstat_or_threads():
+    c = _Clock()
+    g = cpu.ContentionGuard(2, clock=lambda: c.now, read=lambda: None,
+                            set_threads=c.calls.append)
+    c.step(10, 1.0)
+    g.check()
+    one = cpu.ContentionGuard(1, clock=lambda: c.now, read=lambda: (0, c.waited),
+                              set_threads=c.calls.append)
+    c.step(10, 1.0)
+    one.check()
+    assert c.calls == []

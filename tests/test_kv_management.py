@@ -57,14 +57,15 @@ def test_shared_system_prompt_is_stored_once(long_model):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     # a budget that admits all 50 in one step: without sharing they would all be resident
     on = LLM(long_model, skip_tokenizer_init=True, num_kv_blocks=4096,
-             max_num_batched_tokens=65536)
+             max_num_batched_tokens=65536, long_prefill_token_threshold=0)
     outs = on.generate(prompts, params, use_tqdm=False)
     peak = on.kv_cache_stats().peak_used_blocks
     # 800/16 = 50 prefix blocks once, plus each request's tail (suffix + 10 tokens: 1-2 blocks)
     assert peak <= 50 + 50 * 2, peak
     assert all(o.num_cached_tokens == 800 for o in outs[1:])
     off = LLM(long_model, skip_tokenizer_init=True, num_kv_blocks=4096,
-              enable_prefix_caching=False, max_num_batched_tokens=65536)
+              enable_prefix_caching=False, max_num_batched_tokens=65536,
+              long_prefill_token_threshold=0)
     assert tokens(off.generate(prompts, params, use_tqdm=False)) == tokens(outs)
     assert off.kv_cache_stats().peak_used_blocks >= 50 * 51  # 50 copies of the prefix
 

@@ -288,9 +288,10 @@ class EngineArgs:
     max_num_batched_tokens: int = _opt(512, "most tokens computed in one step (prefill chunks "
                                             "+ decodes)")
     long_prefill_token_threshold: int = _opt(
-        0, "most prompt tokens one request prefills per step (0: no cap beyond "
-           "max_num_batched_tokens); a lower cap keeps a long prompt from stretching the "
-           "running streams' inter-token latency")
+        256, "most prompt tokens one request prefills per step (0: no cap beyond "
+             "max_num_batched_tokens); a lower cap keeps a long prompt from stretching the "
+             "running streams' inter-token latency (256 halves it at no cost to the prompt's "
+             "first token: docs/performance.md)")
     kv_cache_memory: int | None = _opt(None, "KV cache size in bytes; the CLI also takes units "
                                              "(2GiB, 512MB). Default: a share of free memory",
                                        parse="bytes")

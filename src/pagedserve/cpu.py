@@ -11,6 +11,10 @@
   quiet speed (regions follow each other within microseconds) and yields the core soon after.
   libgomp reads the variable once, when torch loads it, so this runs when ``pagedserve`` is
   imported; an explicit ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
+- ``ContentionGuard``: spinning is what keeps a quiet machine fast (a lower spin count or a
+  passive wait cost 15-25% of quiet decode), and what wastes a shared one. The guard watches how
+  long the engine's thread waits for a CPU and, while that share is high, runs torch with one
+  thread (no barrier to spin at), going back to the full count when the cores are free.
 - ``cpu_flags()`` / ``matrix_unit()``: the instruction-set extensions that choose the matmul
   path for large chunks (model/linear.py): AMX tiles, AVX-512 BF16, or neither.
 """
@@ -21,6 +25,7 @@ import functools
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 SPIN_COUNT = "10000"  # measured: quiet decode unchanged, 6x faster beside two busy loops
@@ -99,6 +104,69 @@ def set_threads(world_size: int = 1) -> None:
         import torch
 
         torch.set_num_threads(min(torch.get_num_threads(), threads_per_rank(world_size)))
+
+
+def _run_delay_ns() -> tuple[int, int] | None:
+    """(ns this thread ran, ns it waited runnable for a CPU) from /proc/thread-self/schedstat;
+    None where the kernel does not report it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
+
+
+class ContentionGuard:
+    """Drops torch's intra-op threads to 1 while the cores are oversubscribed, and restores
+    them when they are free; ``check()`` is called once per engine step on the thread that
+    runs the forward.
+
+    Every ``interval`` seconds it reads the share of wall time this thread waited runnable for
+    a CPU (the kernel's run delay). Above ``high`` the cores are contended: one thread. With one
+    thread the share stays high while others still load every core; below ``low`` it tries the
+    full count again, after a hold that doubles each time the full count is contended again
+    within a hold (up to ``MAX_HOLD``), so a machine with one spare core does not flip every
+    interval. ``threads`` 1, or a kernel without schedstat, leaves it idle.
+    """
+
+    MAX_HOLD = 64.0  # seconds
+
+    def __init__(self, threads: int, interval: float = 0.5, high: float = 0.2,
+                 low: float = 0.05, clock=time.monotonic, read=_run_delay_ns,
+                 set_threads=None):
+        import torch
+
+        self.threads, self.interval, self.high, self.low = threads, interval, high, low
+        self.clock, self.read = clock, read
+        self.set_threads = set_threads or torch.set_num_threads
+        self.reduced = False
+        self.hold, self.until = 4 * interval, 0.0
+        self.last = (clock(), read()) if threads > 1 else None
+        self.restored_at = -math.inf
+
+    def check(self) -> None:
+        if self.last is None or self.last[1] is None:
+            return
+        now = self.clock()
+        if now - self.last[0] < self.interval:
+            return
+        sample = self.read()
+        if sample is None:
+            self.last = None
+            return
+        waited = (sample[1] - self.last[1][1]) / 1e9 / (now - self.last[0])
+        self.last = (now, sample)
+        if not self.reduced and waited > self.high:
+            # contended right after a restore (the full count itself oversubscribes): hold the
+            # single thread twice as long as last time; otherwise the base hold
+            recent = now - self.restored_at <= 2 * self.interval
+            self.hold = min(2 * self.hold, self.MAX_HOLD) if recent else 4 * self.interval
+            self.reduced, self.until = True, now + self.hold
+            self.set_threads(1)
+        elif self.reduced and waited < self.low and now >= self.until:
+            self.reduced, self.restored_at = False, now
+            self.set_threads(self.threads)
 
 
 @functools.cache

@@ -18,6 +18,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata, build_group, build_open_blocks
 from pagedserve.core.block_manager import OpenRowOps
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.cpu import ContentionGuard
 from pagedserve.kv.cache import KVCache
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.sequence import Sequence
@@ -172,7 +173,8 @@ class ModelRunner:
     """Runs steps on this process's model and KV cache (under tensor parallelism: this rank's
     shard; the logits come back on rank 0 only)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 watch_contention: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -182,6 +184,10 @@ class ModelRunner:
         self.num_queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
         self._workspaces: dict[str, torch.Tensor | None] = {"k": torch.empty(0)}
         self._tail: torch.Tensor | None = None  # OpenBlocks.tail, grown, never shrunk
+        # one thread while the cores are shared (the engine's runner only: a draft model's
+        # runs on the same thread)
+        threads = torch.get_num_threads() if device.type == "cpu" and watch_contention else 1
+        self.contention = ContentionGuard(threads)
 
     def _workspace(self, rows: int) -> dict[str, torch.Tensor | None]:
         """Gather buffers (AttentionMetadata's ``*_workspace``) with at least ``rows`` blocks;
@@ -257,6 +263,7 @@ class ModelRunner:
         """Run one step. Returns the logits of the sequences whose scheduled chunk reaches their
         last token, and of the computed prompt positions of requests that want prompt
         logprobs. Changes no sequence."""
+        self.contention.check()
         inp, out = self.prepare(sched)
         out.logits, out.prompt_logits = self.execute_model(inp)
         return out

@@ -60,7 +60,7 @@ class DraftModelProposer:
         spec = resolve_kv_cache_dtype("auto", dtype)
         cache = KVCache.allocate(cfg, num_blocks, block_size, spec, device, 0,
                                  kv_layout([None] * cfg.num_hidden_layers))
-        self.runner = ModelRunner(self.net, cache, device)
+        self.runner = ModelRunner(self.net, cache, device, watch_contention=False)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.mirrors: dict[int, tuple[Sequence, Sequence]] = {}  # seq_id -> (seq, mirror)
         logger.info("draft model %s: %.1f MB of weights, KV cache of %d blocks (%.2f GiB)",
