@@ -60,8 +60,8 @@ BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 def _build_name(extra_flags: tuple[str, ...] = ()) -> str:
     """The extension's name: a hash of everything the binary depends on (this CPU's
-    instruction set, since the build uses ``-march=native``; the kernel source; the compiler
-    and its flags; torch's version and install, whose headers the build includes). Two
+    instruction set, since the build uses ``-march=native``; the kernel source and its
+    folder; the compiler and its flags; torch's version and install, whose headers the build includes). Two
     checkouts, versions or virtual environments on one machine, or two machines sharing a
     cache directory, then never load or rebuild each other's binary (torch rebuilds a cached
     extension whose include paths changed)."""
@@ -73,7 +73,9 @@ def _build_name(extra_flags: tuple[str, ...] = ()) -> str:
         pass
     h = hashlib.sha256()
     sources = "".join(p.read_text() for p in (*SOURCES, *HEADERS))
-    for part in (cpu, sources, os.environ.get("CXX", "c++"), torch.__version__,
+    # the sources' folder too: torch rebuilds an extension whose source paths changed, so two
+    # checkouts of the same sources under one name would rebuild it for each other
+    for part in (cpu, sources, str(HERE), os.environ.get("CXX", "c++"), torch.__version__,
                  os.path.dirname(torch.__file__), *BASE_FLAGS, *extra_flags):
         h.update(part.encode() + b"\0")
     return f"pagedserve_cpu_ops_{h.hexdigest()[:16]}"
