@@ -217,11 +217,15 @@ def main() -> None:
                           flush=True)
                     if row["failed"]:
                         print(f"  failed: {row['failed']}", flush=True)
+                    # written after every run: a server that dies keeps the others' rows
+                    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows},
+                                                         indent=1, default=str))
+        except httpx.HTTPError as e:
+            print(f"| {name}: stopped by {type(e).__name__}: {e} (log: {server.log.name}) |",
+                  flush=True)
         finally:
             server.stop()
     summarize(rows)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1,
-                                         default=str))
 
 
 def summarize(rows: list[dict]) -> None:
