@@ -10,6 +10,8 @@ import os
 import weakref
 
 os.environ["PAGEDSERVE_DEBUG_KV"] = "1"
+# fixed thread counts: a token-for-token equality must not see a run's threads change midway
+os.environ.setdefault("PAGEDSERVE_CONTENTION_GUARD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

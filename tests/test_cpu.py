@@ -174,3 +174,14 @@ def test_contention_guard_idle_without_schedstat_or_threads():
     c.step(10, 1.0)
     one.check()
     assert c.calls == []
+
+
+def test_contention_guard_switch(monkeypatch):
+    from pagedserve import envs
+
+    monkeypatch.setenv("PAGEDSERVE_CONTENTION_GUARD", "0")
+    assert envs.contention_guard() is False
+    monkeypatch.setenv("PAGEDSERVE_CONTENTION_GUARD", "1")
+    assert envs.contention_guard() is True
+    monkeypatch.delenv("PAGEDSERVE_CONTENTION_GUARD")
+    assert envs.contention_guard() is True

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.metadata import AttentionMetadata, build_group, build_open_blocks
 from pagedserve.core.block_manager import OpenRowOps
 from pagedserve.core.scheduler import SchedulerOutput
@@ -186,7 +187,8 @@ class ModelRunner:
         self._tail: torch.Tensor | None = None  # OpenBlocks.tail, grown, never shrunk
         # one thread while the cores are shared (the engine's runner only: a draft model's
         # runs on the same thread)
-        threads = torch.get_num_threads() if device.type == "cpu" and watch_contention else 1
+        watch = watch_contention and device.type == "cpu" and envs.contention_guard()
+        threads = torch.get_num_threads() if watch else 1
         self.contention = ContentionGuard(threads)
 
     def _workspace(self, rows: int) -> dict[str, torch.Tensor | None]:
