@@ -185,3 +185,22 @@ def test_contention_guard_switch(monkeypatch):
     assert envs.contention_guard() is True
     monkeypatch.delenv("PAGEDSERVE_CONTENTION_GUARD")
     assert envs.contention_guard() is True
+
+
+def test_contention_guard_rebaselines_after_an_idle_gap():
+    """A sample spanning idle time (no steps) says nothing about the cores: no switch."""
+    c = _Clock()
+    g = _guard(c)
+    c.step(0.6, 0.5)
+    g.check()
+    assert c.calls == [1]
+    c.step(30, 0.0)  # idle: the wait share over the gap is ~0
+    g.check()
+    assert c.calls == [1]  # not restored on the strength of the gap
+
+
+def test_bad_omp_num_threads_is_ignored_and_odd_cgroup_files_too(monkeypatch, tmp_path):
+    for value, ok in (("2", True), ("4,2", True), ("0", False), ("abc", False), ("", False)):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert cpu.omp_num_threads_set() is ok
+    assert _cgroup(tmp_path, "garbage\n0::/j\n", {"j/cpu.max": "100000 0\n"}) is None

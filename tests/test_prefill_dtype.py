@@ -1,7 +1,9 @@
 """bfloat16 matmuls for prompt tokens (``prefill_dtype``): each row takes its path by its
 token's kind (prompt rows bfloat16, generated rows the float32 kernel, bit for bit), the whole
-model equals transformers running the same rule, and chunking, prefix hits and preemption keep
-the tokens. float32 mode is what the other reference tests use."""
+model equals transformers running the same rule, and on this tiny model chunking, prefix hits
+and preemption keep the tokens (a real model's can move: bfloat16 rounding amplifies the float32
+noise between chunkings, docs/performance.md). float32 mode is what the other reference tests
+use."""
 
 from __future__ import annotations
 

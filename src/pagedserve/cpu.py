@@ -55,6 +55,8 @@ def _cgroup_quota(root: Path = Path("/sys/fs/cgroup"),
         return None
     limits = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         hier, controllers, path = line.split(":", 2)
         v2 = hier == "0" and controllers == ""
         if not v2 and "cpu" not in controllers.split(","):
@@ -74,7 +76,7 @@ def _cgroup_quota(root: Path = Path("/sys/fs/cgroup"),
                     quota = int((d / "cpu.cfs_quota_us").read_text())
                     if quota > 0:
                         limits.append(quota / int((d / "cpu.cfs_period_us").read_text()))
-            except (OSError, ValueError):
+            except (OSError, ValueError, ZeroDivisionError):
                 continue
     return min(limits) if limits else None
 
@@ -99,11 +101,18 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, usable_cpus() // world_size)
 
 
+def omp_num_threads_set() -> bool:
+    """Whether ``OMP_NUM_THREADS`` holds a positive count (libgomp ignores another value, with
+    a warning, and would run every core)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return value.isdigit() and int(value) > 0
+
+
 def set_threads(world_size: int = 1) -> None:
     """Cap torch's intra-op pool (which the fused kernels use) at this rank's share of the
-    usable CPUs, unless ``OMP_NUM_THREADS`` says otherwise. Never raises the count, so a
+    usable CPUs, unless a valid ``OMP_NUM_THREADS`` says otherwise. Never raises the count, so a
     smaller ``torch.set_num_threads`` of the application stays."""
-    if "OMP_NUM_THREADS" not in os.environ:
+    if not omp_num_threads_set():
         import torch
 
         torch.set_num_threads(min(torch.get_num_threads(), threads_per_rank(world_size)))
@@ -146,7 +155,7 @@ class ContentionGuard:
         self.reduced = False
         self.hold, self.until = 4 * interval, 0.0
         self.last = (clock(), read()) if threads > 1 else None
-        self.restored_at = -math.inf
+        self.just_restored = False  # the next sample is the first with the full count back
 
     def check(self) -> None:
         if self.last is None or self.last[1] is None:
@@ -158,21 +167,26 @@ class ContentionGuard:
         if sample is None:
             self.last = None
             return
+        if now - self.last[0] > 4 * self.interval:  # after an idle gap: a new baseline only
+            self.last = (now, sample)
+            return
         waited = (sample[1] - self.last[1][1]) / 1e9 / (now - self.last[0])
         self.last = (now, sample)
         if not self.reduced and waited > self.high:
             # contended right after a restore (the full count itself oversubscribes): hold the
             # single thread twice as long as last time; otherwise the base hold
-            recent = now - self.restored_at <= 2 * self.interval
+            recent = self.just_restored
             self.hold = min(2 * self.hold, self.MAX_HOLD) if recent else 4 * self.interval
             self.reduced, self.until = True, now + self.hold
             self.set_threads(1)
             logger.debug("cores contended (waited %.0f%% for a CPU): 1 thread for %.0fs",
                          100 * waited, self.hold)
         elif self.reduced and waited < self.low and now >= self.until:
-            self.reduced, self.restored_at = False, now
+            self.reduced, self.just_restored = False, True
             self.set_threads(self.threads)
             logger.debug("cores free again: %d threads", self.threads)
+            return
+        self.just_restored = False
 
 
 @functools.cache

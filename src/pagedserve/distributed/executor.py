@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve import envs
-from pagedserve.cpu import set_threads, threads_per_rank
+from pagedserve.cpu import omp_num_threads_set, set_threads, threads_per_rank
 from pagedserve.distributed.parallel_state import TPGroup, device_group
 from pagedserve.worker import build_worker
 
@@ -81,7 +81,7 @@ class Driver:
             port = _free_port()
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "WORLD_SIZE": str(world_size), "PAGEDSERVE_TP_PARENT": str(os.getpid())}
-            if "OMP_NUM_THREADS" not in os.environ:
+            if not omp_num_threads_set():
                 env["OMP_NUM_THREADS"] = str(threads_per_rank(world_size))
             for rank in range(1, world_size):
                 self.procs.append(subprocess.Popen(
