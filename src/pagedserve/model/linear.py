@@ -77,8 +77,9 @@ class PackedLinear(Linear):
     weight in bfloat16 (``weight_bf16`` [out, in]) and multiplies the rows of the step's
     ``state.row_spans`` marked low-precision (the prompt tokens) by it, inputs rounded to
     bfloat16 and products accumulated in float32 by oneDNN on the CPU's matrix units (AMX
-    tiles, or AVX-512 BF16's ``vdpbf16ps``). Prefill is compute-bound and those units multiply
-    2x (AVX-512 BF16) to ~16x (AMX) faster than float32 FMAs; decode rows are bound by reading
+    tiles, or AVX-512 BF16's ``vdpbf16ps``). Prefill is compute-bound and those units nominally
+    multiply 2x (AVX-512 BF16; 1.6-1.8x measured on Zen 4) to ~16x (AMX) faster than float32
+    FMAs; decode rows are bound by reading
     the weight and keep the float32 panels, so generated tokens are computed exactly as in
     float32 mode. Whether a row is low-precision depends only on its token being a prompt
     token, never on the batch, and a row's product does not depend on the other rows. The
