@@ -150,6 +150,96 @@ def test_paged_decode_attention_refuses_degenerate_shapes(ops):
             ops.paged_decode_attention(q, cache, cache.clone(), t, n, 0.1, torch.float32)
 
 
+def _prefill_reference(q, k_cache, v_cache, tables, seq_lens, query_lens, scale, window=0):
+    """Each query row against its own keys (positions 0 .. its own, or the last ``window``),
+    one softmax per row in float64."""
+    out, row = torch.empty(q.shape, dtype=torch.float64), 0
+    kv_heads, d = k_cache.shape[2:]
+    group = q.shape[1] // kv_heads
+    for table, n, s in zip(tables, query_lens, seq_lens):
+        k = k_cache.double()[table].reshape(-1, kv_heads, d)[:s].repeat_interleave(group, 1)
+        v = v_cache.double()[table].reshape(-1, kv_heads, d)[:s].repeat_interleave(group, 1)
+        for pos in range(s - n, s):
+            lo = max(0, pos + 1 - window) if window else 0
+            w = torch.einsum("hd,thd->ht", q[row].double(), k[lo:pos + 1]) * scale
+            out[row] = torch.einsum("ht,thd->hd", w.softmax(-1), v[lo:pos + 1])
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 16), (9, 3, 64), (4, 1, 256), (16, 1, 8),
+                                              (8, 8, 160)])
+def test_paged_prefill_attention_matches_dense(ops, cache_dtype, heads, kv_heads, d):
+    """Chunks over cached context, a whole prompt, a one-row chunk and a chunk ending mid-block,
+    on scattered blocks; sliding windows of 1 to 64 keys. G = 1 .. 16 query heads per KV head
+    (tiles of 12 / G positions, a G of 16 split in two), head_dim 8 .. 256."""
+    bs = 4
+    k_cache, v_cache = _cache(num_blocks=24, block_size=bs, kv_heads=kv_heads, head_dim=d,
+                              dtype=cache_dtype)
+    tables = [[7, 2, 9], [4, 13], [11, 0, 5, 3, 1, 20, 21, 22, 23], [14, 15, 16, 17, 18, 19]]
+    seq_lens, query_lens = [10, 5, 35, 21], [6, 1, 35, 13]
+    g = build_group(query_lens, seq_lens, [tables], bs, heads // kv_heads, torch.device("cpu"))
+    q, scale = torch.randn(sum(query_lens), heads, d), d ** -0.5
+    for window in (0, 1, 3, 6, 64):
+        expect = _prefill_reference(q, k_cache, v_cache, tables, seq_lens, query_lens, scale,
+                                    window)
+        out = ops.paged_prefill_attention(q, k_cache, v_cache, g.block_ids[0].view(4, -1),
+                                          g.seq_lens, g.query_lens, scale, torch.float32,
+                                          window)
+        torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
+    out = ops.paged_prefill_attention(q.bfloat16(), k_cache, v_cache, g.block_ids[0].view(4, -1),
+                                      g.seq_lens, g.query_lens, scale, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _prefill_reference(
+        q.bfloat16(), k_cache, v_cache, tables, seq_lens, query_lens, scale), rtol=2e-2,
+        atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [0, 5, 23])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention_rows_do_not_depend_on_the_chunking(ops, window, cache_dtype):
+    """A prompt of 45 rows in one call, in two chunks at each cut, and beside other requests
+    gives bit-identical rows: the bfloat16 prompt matmuls round whatever attention returns, so
+    a 1e-6 difference between chunkings would become a different answer."""
+    heads, kv_heads, d, bs = 9, 3, 64, 4
+    k_cache, v_cache = _cache(num_blocks=16, block_size=bs, kv_heads=kv_heads, head_dim=d,
+                              dtype=cache_dtype)
+    table = torch.tensor([[12, 3, 7, 0, 9, 1, 15, 2, 4, 8, 5, 6]])
+    q = torch.randn(45, heads, d)
+
+    def run(rows, first, others=0):
+        n = rows.shape[0]
+        lens = torch.tensor([first + n] + [7] * others)
+        qlens = torch.tensor([n] + [3] * others)
+        tables = torch.cat([table, torch.tensor([[10, 11] + [0] * 10] * others,
+                                                dtype=torch.int64).view(-1, 12)])
+        q_all = torch.cat([rows, torch.randn(3 * others, heads, d)])
+        return ops.paged_prefill_attention(q_all, k_cache, v_cache, tables, lens, qlens, 0.125,
+                                           torch.float32, window)[:n]
+
+    whole = run(q, 0)
+    for cut in (1, 12, 16, 17, 31, 44):
+        assert torch.equal(torch.cat([run(q[:cut], 0), run(q[cut:], cut)]), whole), cut
+    assert torch.equal(torch.cat([run(q[:20], 0, 3), run(q[20:], 20, 5)]), whole)
+
+
+def test_paged_prefill_attention_refuses_bad_lengths(ops):
+    k_cache, v_cache = _cache(num_blocks=4, block_size=4, kv_heads=2, head_dim=16)
+    q, tables = torch.randn(5, 4, 16), torch.tensor([[0, 1]])
+    cases = [(torch.tensor([5]), torch.tensor([4]), "sum to q's rows"),
+             (torch.tensor([9]), torch.tensor([5]), "outside its block table"),
+             (torch.tensor([4]), torch.tensor([5]), "outside its block table"),
+             (torch.tensor([5]), torch.tensor([5.0]), "int64")]
+    for lens, qlens, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.paged_prefill_attention(q, k_cache, v_cache, tables, lens, qlens, 0.1,
+                                        torch.float32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, tables + 3, torch.tensor([5]),
+                                    torch.tensor([5]), 0.1, torch.float32)
+
+
 def test_argmax_matches_torch(ops):
     torch.manual_seed(2)
     x = torch.randn(9, 1000)

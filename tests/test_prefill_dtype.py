@@ -1,11 +1,13 @@
-"""bfloat16 matmuls for prompt tokens (``prefill_dtype``): each row takes its path by its
-token's kind (prompt rows bfloat16, generated rows the float32 kernel, bit for bit), the whole
-model equals transformers running the same rule, and on this tiny model chunking, prefix hits
-and preemption keep the tokens (a real model's can move: bfloat16 rounding amplifies the float32
-noise between chunkings, docs/performance.md). float32 mode is what the other reference tests
-use."""
+"""bfloat16 matmuls for prompt tokens (``prefill_dtype``): each row of a projection takes its
+path by its token's kind (prompt rows bfloat16, generated rows the float32 kernel, bit for bit),
+the whole model equals transformers running the same rule, and chunking, prefix hits and
+preemption keep the tokens and, bit for bit, the prompt logprobs (tiny model and SmolLM2: the
+prefill attention kernel's rows do not depend on the chunking). float32 mode is what the other
+reference tests use."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,52 @@ def test_chunks_prefix_hits_and_preemption_keep_the_tokens(tiny_llama, mode):
                 enable_prefix_caching=False, prefill_dtype="float32")
     assert [o.outputs[0].token_ids for o in exact.generate(prompts, params, use_tqdm=False)] \
         != ref  # the modes differ on this model: the equality above can fail
+
+
+def _logprobs_and_tokens(llm, prompts, prompt_logprobs=True):
+    """Each request's prompt logprobs (None without) and generated tokens, and their logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0,
+                            prompt_logprobs=0 if prompt_logprobs else None)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return ([([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]
+              if prompt_logprobs else None, o.outputs[0].token_ids) for o in outs],
+            [next(iter(d.values())).logprob for o in outs for d in o.outputs[0].logprobs])
+
+
+@needs_kernels
+@pytest.mark.parametrize("prefill_dtype", ["bfloat16", "float32"])
+def test_chunks_and_prefix_hits_give_bit_identical_prompt_logprobs(tiny_llama, prefill_dtype):
+    """Not only the tokens: every prompt logprob is the same float whether the prompt runs in
+    one pass or in chunks of 7 beside other requests (the prefill attention kernel computes
+    each row independently of the chunking); after prefix-cache hits the tokens stay. The
+    generated tokens' logprobs may move by an ulp (decode steps of other batch sizes)."""
+    prompts, _ = shared_prefix_workload(6)
+    one = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
+              enable_prefix_caching=False, prefill_dtype=prefill_dtype)
+    chunked = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
+                  max_num_batched_tokens=24, long_prefill_token_threshold=7,
+                  prefill_dtype=prefill_dtype)
+    ref, ref_logprobs = _logprobs_and_tokens(one, prompts)
+    got, logprobs = _logprobs_and_tokens(chunked, prompts)
+    assert got == ref
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+    hits, logprobs = _logprobs_and_tokens(chunked, prompts, prompt_logprobs=False)
+    assert chunked.kv_cache_stats().prefix_cache_hits > 0
+    assert hits == [(None, tokens) for _, tokens in ref]
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_smollm2_bf16_prompts_are_chunk_invariant(smollm2_path):
+    """The real model in the bfloat16-prompt mode: prompt logprobs of 700-character prompts
+    equal bit for bit between one pass and chunks of 64 (the torch flash path moved them by up
+    to 0.2 nats), and so do the greedy answers."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    prompts = [text[i * 700:(i + 1) * 700] for i in range(3)]
+    runs = [LLM(smollm2_path, prefill_dtype="bfloat16", long_prefill_token_threshold=t,
+                max_num_batched_tokens=b) for t, b in ((0, 4096), (64, 100))]
+    (one, one_logprobs), (chunked, logprobs) = (_logprobs_and_tokens(llm, prompts)
+                                                for llm in runs)
+    assert chunked == one
+    assert logprobs == pytest.approx(one_logprobs, abs=1e-4)

@@ -82,7 +82,8 @@ class ModelInput:
     ``sample_rows`` / ``prompt_rows``: token rows projected to logits; ``open_rows`` per
     attention group, each request's open-block row (a quantized cache), and ``open_ops`` the
     moves of those rows to do first; ``row_spans``: the rows as spans of prompt and
-    generated tokens (AttentionMetadata.row_spans)."""
+    generated tokens (AttentionMetadata.row_spans); ``prompt_groups``: per attention group,
+    whether any of its rows is a prompt token's (AttentionGroup.prompt_rows)."""
 
     blocks_to_swap_out: list[tuple[int, int]]
     blocks_to_swap_in: list[tuple[int, int]]
@@ -97,6 +98,7 @@ class ModelInput:
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)
     row_spans: list[tuple[int, int, bool]] = field(default_factory=list)
+    prompt_groups: list[bool] = field(default_factory=list)
 
 
 def _extend_spans(spans: list[tuple[int, int, bool]], start: int, count: int,
@@ -108,6 +110,25 @@ def _extend_spans(spans: list[tuple[int, int, bool]], start: int, count: int,
             spans[-1] = (spans[-1][0], start + count, is_prompt)
         else:
             spans.append((start, start + count, is_prompt))
+
+
+def _attention_groups(sched: SchedulerOutput, drafts_as_decodes: bool
+                      ) -> list[list[tuple[Sequence, int, int]]]:
+    """The step's (sequence, first position, tokens) items by attention group: the decode
+    groups (split_decodes), then one of the prefill chunks. A prompt token is never a decode
+    row, even alone: its attention is computed as in any other chunking of its prompt."""
+    decodes, prefills = [], []
+    for seq, n in sched.scheduled:
+        start = seq.num_computed_tokens
+        generated = start >= len(seq.request.prompt_token_ids)
+        if (n == 1 and generated) or (drafts_as_decodes and start + 1 == seq.num_tokens):
+            decodes.extend((seq, start + j, 1) for j in range(n))
+        else:
+            prefills.append((seq, start, n))
+    groups = split_decodes(decodes)
+    if prefills:
+        groups.append(prefills)
+    return groups
 
 
 def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 1,
@@ -124,16 +145,7 @@ def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 
     out = ModelRunnerOutput()
     inp = ModelInput(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                      sched.open_rows)
-    decodes, prefills = [], []  # (sequence, first position, tokens)
-    for seq, n in sched.scheduled:
-        start = seq.num_computed_tokens
-        if n == 1 or (drafts_as_decodes and start + 1 == seq.num_tokens):
-            decodes.extend((seq, start + j, 1) for j in range(n))
-        else:
-            prefills.append((seq, start, n))
-    groups = split_decodes(decodes)
-    if prefills:
-        groups.append(prefills)
+    groups = _attention_groups(sched, drafts_as_decodes)
     bs = block_size
     input_ids, positions = inp.input_ids, inp.positions
     inp.slot_mapping = [[] for _ in range(num_kv_groups)]
@@ -167,6 +179,8 @@ def prepare_input(sched: SchedulerOutput, block_size: int, num_kv_groups: int = 
                    [[s.block_tables[k] for s, _, _ in g] for k in range(num_kv_groups)])
                   for g in groups]
     inp.open_rows = [[s.open_row for s, _, _ in g] for g in groups]
+    inp.prompt_groups = [any(start < len(s.request.prompt_token_ids) for s, start, _ in g)
+                         for g in groups]
     return inp, out
 
 
@@ -243,6 +257,8 @@ class ModelRunner:
             open_keys = [(*t, rows) for t, rows in zip(tails, inp.open_rows)]
         attn_groups = [build_group(q, s, t, self.block_size, self.num_queries_per_kv, dev, o)
                        for (q, s, t), o in zip(inp.groups, open_keys)]
+        for g, prompt in zip(attn_groups, inp.prompt_groups):
+            g.prompt_rows = prompt
         ws = self._workspace(max(g.num_seqs * g.max_blocks for g in attn_groups))
         md = AttentionMetadata(
             slot_mapping=[torch.tensor(s, dtype=torch.int64, device=dev)

@@ -30,7 +30,8 @@ class AttentionGroup:
     [num_tokens] int64 into the padded ``num_seqs * max_query_len`` rows, both None when every
     query is one token long. ``query_pos`` [num_seqs, max_query_len] int64: each query's
     position (padded rows 0), from which ``window_mask`` derives sliding-window masks.
-    ``lens``: each request's (query_len, seq_len) as Python ints.
+    ``lens``: each request's (query_len, seq_len) as Python ints, and ``query_lens`` the
+    query lengths [num_seqs] int64 (both empty / None for a decode group).
     """
 
     num_seqs: int
@@ -45,6 +46,11 @@ class AttentionGroup:
     query_pos: torch.Tensor
     num_queries_per_kv: int
     lens: list[tuple[int, int]] = field(default_factory=list)
+    query_lens: torch.Tensor | None = None
+    # Some rows are prompt tokens: a decode group's (prompt chunks of one token) then runs the
+    # prefill kernel too, so that a prompt row's attention is one computation whatever the
+    # length of the chunk it comes in.
+    prompt_rows: bool = False
     # A quantized cache (kv/quant.py): the keys are the gathered blocks followed by each
     # request's ``tail_len`` tail rows (its unquantized K/V of positions from the start of its
     # chunk's first block); ``key_pos`` [num_seqs, max_blocks * block_size + tail_len] int64
@@ -281,4 +287,4 @@ def _build_group(query_lens: list[int], seq_lens: list[int],
     output_index = (torch.arange(num_seqs, device=device)[:, None] * max_query_len + j)[valid]
     return AttentionGroup(num_seqs, sum(query_lens), max_blocks, max_query_len, block_ids,
                           seq_lens_t, mask, query_index, output_index, q_pos,
-                          num_queries_per_kv, list(zip(query_lens, seq_lens)))
+                          num_queries_per_kv, list(zip(query_lens, seq_lens)), query_lens_t)

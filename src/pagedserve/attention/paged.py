@@ -220,7 +220,9 @@ def paged_attention_fused(q: torch.Tensor, cache: LayerKVCache, md: AttentionMet
     """Attention over a cache the new K/V are already in (``ops.rotary_write_kv`` or
     ``write_kv_quantized`` wrote them): decode groups run ``ops.paged_decode_attention`` (a
     quantized cache ``ops.paged_decode_attention_quant``), which reads the blocks in place (a
-    sliding-window layer's only its window); prefill groups the torch path above.
+    sliding-window layer's only its window); prefill groups ``ops.paged_prefill_attention``,
+    whose rows come out bit-identical however the prompt is chunked (a quantized cache: the
+    torch path above).
     q [num_tokens, num_heads, head_dim] float32 -> the same shape of ``out_dtype``."""
     outs, start = [], 0
     for g in md.groups:
@@ -232,11 +234,16 @@ def paged_attention_fused(q: torch.Tensor, cache: LayerKVCache, md: AttentionMet
                 cache.v_open,
                 g.block_ids[cache.group].view(g.num_seqs, g.max_blocks), g.seq_lens,
                 g.open_rows, scale, out_dtype, window or 0, KERNEL_KIND[cache.spec.name]))
-        elif g.query_index is None:
+        elif g.query_index is None and not g.prompt_rows:
             outs.append(ops.paged_decode_attention(
                 gq, cache.k, cache.v, g.block_ids[cache.group].view(g.num_seqs, g.max_blocks),
                 g.seq_lens,
                 scale, out_dtype, window or 0))
+        elif not cache.spec.quantized:
+            outs.append(ops.paged_prefill_attention(
+                gq, cache.k, cache.v, g.block_ids[cache.group].view(g.num_seqs, g.max_blocks),
+                g.seq_lens, g.query_lens if g.query_lens is not None else
+                torch.ones_like(g.seq_lens), scale, out_dtype, window or 0))
         else:
             outs.append(_attend_group(gq, cache, g, md, scale, window).to(out_dtype))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -4,6 +4,8 @@
 
 #include <c10/util/Float8_e4m3fn.h>
 
+#include <atomic>
+
 namespace OPS_NAMESPACE {
 
 // Per token t: rotary embedding of the heads + kv_heads query and key heads of
@@ -267,6 +269,260 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
                                     out.data_ptr<decltype(o_tag)>(), batch, heads, kv_heads,
                                     d, block_size, max_blocks, static_cast<float>(scale),
                                     window);
+      });
+    });
+  });
+  return out;
+}
+
+// ---- prefill attention over the paged cache ---------------------------------------------
+//
+// Every prompt row is computed by one fixed sequence of float operations that depends only on
+// its own position and its request's keys: each score a chain of FMAs over the head dimension,
+// the softmax's sum in 16 lanes indexed by absolute key position mod 16, the weighted sum of
+// V a chain over the keys in order. Whether the prompt arrives in one pass, in chunks, after a
+// prefix-cache hit or as a recompute after preemption, each row gets the same bits, and so do
+// the bfloat16 matmuls that read them (a 1e-5 difference here rounds to a different bfloat16
+// often enough to change answers). Rows are tiled (a few positions times the G query heads of
+// one KV head) so that each K/V value loaded serves up to 12 query vectors.
+
+// s[n][0 .. nk) = q_n . k_t for N query vectors q [N, d] against the keys of kt [d, ldk]
+// (transposed, 32 keys per step; nk a multiple of 32), each score an FMA chain over d.
+template <int N>
+void score_tile(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t nk, float* s,
+                int64_t lds) {
+  for (int64_t t = 0; t < nk; t += 32) {
+    F32x16 acc[N][2];
+    for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = F32x16::zero();
+    for (int64_t i = 0; i < d; ++i) {
+      const F32x16 k0 = F32x16::load(kt + i * ldk + t), k1 = F32x16::load(kt + i * ldk + t + 16);
+      for (int n = 0; n < N; ++n) {
+        const F32x16 w = F32x16::set1(q[n * d + i]);
+        acc[n][0] = fma(w, k0, acc[n][0]);
+        acc[n][1] = fma(w, k1, acc[n][1]);
+      }
+    }
+    for (int n = 0; n < N; ++n) {
+      acc[n][0].store(s + n * lds + t);
+      acc[n][1].store(s + n * lds + t + 16);
+    }
+  }
+}
+
+// acc[n][0 .. dp) += sum over t < nk of p[n][t] * v[t][0 .. dp) for N rows of weights p
+// [N, lds] and values v [nk, dp] (dp a multiple of 64: four vectors per pass in registers).
+template <int N>
+void weighted_tile(const float* p, int64_t lds, const float* v, int64_t dp, int64_t nk,
+                   float* acc) {
+  for (int64_t c = 0; c < dp; c += 64) {
+    F32x16 a[N][4];
+    for (int n = 0; n < N; ++n)
+      for (int j = 0; j < 4; ++j) a[n][j] = F32x16::load(acc + n * dp + c + 16 * j);
+    for (int64_t t = 0; t < nk; ++t) {
+      const float* row = v + t * dp + c;
+      const F32x16 v0 = F32x16::load(row), v1 = F32x16::load(row + 16);
+      const F32x16 v2 = F32x16::load(row + 32), v3 = F32x16::load(row + 48);
+      for (int n = 0; n < N; ++n) {
+        const F32x16 w = F32x16::set1(p[n * lds + t]);
+        a[n][0] = fma(w, v0, a[n][0]);
+        a[n][1] = fma(w, v1, a[n][1]);
+        a[n][2] = fma(w, v2, a[n][2]);
+        a[n][3] = fma(w, v3, a[n][3]);
+      }
+    }
+    for (int n = 0; n < N; ++n)
+      for (int j = 0; j < 4; ++j) a[n][j].store(acc + n * dp + c + 16 * j);
+  }
+}
+
+// Calls f(std::integral_constant<int, N>{}) for 1 <= n <= 12.
+template <typename F>
+void dispatch_rows(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 9: return f(std::integral_constant<int, 9>{});
+    case 10: return f(std::integral_constant<int, 10>{});
+    case 11: return f(std::integral_constant<int, 11>{});
+    default: return f(std::integral_constant<int, 12>{});
+  }
+}
+
+// The prefill attention of paged_prefill_attention below over raw pointers, arguments
+// already checked: q/out [T, heads, d] with request b's query_lens[b] rows at positions
+// seq_lens[b] - query_lens[b] ...; the caches, tables and window as the decode kernel's.
+template <typename Q, typename C, typename O>
+void paged_prefill_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
+                                  const int64_t* block_tables, const int64_t* seq_lens,
+                                  const int64_t* query_lens, O* out, int64_t batch,
+                                  int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size,
+                                  int64_t max_blocks, float scale, int64_t window) {
+  const int64_t group = heads / kv_heads, kv = kv_heads * d;
+  const int64_t dp = (d + 63) / 64 * 64;  // a V row padded for weighted_tile
+  const int64_t tile_rows = std::max<int64_t>(1, 12 / group);  // positions per work item
+  auto first_key = [&](int64_t pos) {  // the first key the query at pos sees
+    return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : int64_t{0};
+  };
+  // Per request: its keys from base (the first key its chunk needs, rounded down to a
+  // multiple of 16 so that lanes follow absolute positions) gathered once per KV head as
+  // float32, K transposed [d, ldk] and V [rows, dp]; keys before the chunk's first needed one
+  // are zeros, never read from the cache (a window's freed blocks).
+  std::vector<int64_t> base(batch), ldk(batch), offset(batch + 1, 0), q_start(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t need = first_key(seq_lens[b] - query_lens[b]);
+    base[b] = need / 16 * 16;
+    ldk[b] = (seq_lens[b] - base[b] + 15) / 16 * 16 + 32;
+    offset[b + 1] = offset[b] + kv_heads * ldk[b] * (d + dp);
+    q_start[b + 1] = q_start[b] + query_lens[b];
+  }
+  std::vector<float> keys(offset[batch], 0.f);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      float* kt = keys.data() + offset[b] + h * ldk[b] * (d + dp);
+      float* vg = kt + d * ldk[b];
+      const int64_t* blocks = block_tables + b * max_blocks;
+      for (int64_t t = first_key(seq_lens[b] - query_lens[b]); t < seq_lens[b]; ++t) {
+        const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+        const int64_t c = t - base[b];
+        const float* k = as_float(k_cache + slot * kv + h * d, row.data(), d);
+        for (int64_t i = 0; i < d; ++i) kt[i * ldk[b] + c] = k[i];
+        convert(v_cache + slot * kv + h * d, vg + c * dp, d);
+      }
+    }
+  });
+  // Work items (request, KV head, first row of a tile), costliest first, taken by the threads
+  // from a shared counter: causal rows cost in proportion to their keys.
+  struct Item { int64_t b, h, r0, cost; };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r0 = 0; r0 < query_lens[b]; r0 += tile_rows) {
+      const int64_t last = seq_lens[b] - query_lens[b] + std::min(r0 + tile_rows, query_lens[b]);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        items.push_back({b, h, r0, last - first_key(last - 1 - (tile_rows - 1))});
+    }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  int64_t max_ldk = 0;
+  for (int64_t b = 0; b < batch; ++b) max_ldk = std::max(max_ldk, ldk[b]);
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int64_t rows_max = tile_rows * group;
+    std::vector<float> qf(rows_max * d), s(rows_max * max_ldk), acc(rows_max * dp);
+    std::vector<int64_t> lo(rows_max), hi(rows_max);
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
+      const Item it = items[i];
+      const int64_t b = it.b, ctx = seq_lens[b] - query_lens[b];
+      const int64_t nrows = std::min(tile_rows, query_lens[b] - it.r0), n_q = nrows * group;
+      const int64_t pos0 = ctx + it.r0, key_end = pos0 + nrows;
+      const int64_t ks = first_key(pos0) / 16 * 16;  // this tile's first key, lane-aligned
+      const int64_t nk = (key_end - ks + 31) / 32 * 32;
+      const float* kt = keys.data() + offset[b] + it.h * ldk[b] * (d + dp);
+      const float* vg = kt + d * ldk[b];
+      for (int64_t r = 0, n = 0; r < nrows; ++r)
+        for (int64_t g = 0; g < group; ++g, ++n) {
+          const Q* src = q + ((q_start[b] + it.r0 + r) * heads + it.h * group + g) * d;
+          convert(src, qf.data() + n * d, d);
+          scale_by(qf.data() + n * d, scale, d);
+          lo[n] = first_key(pos0 + r) - ks;
+          hi[n] = pos0 + r + 1 - ks;
+        }
+      for (int64_t n0 = 0; n0 < n_q; n0 += 12)
+        dispatch_rows(std::min<int64_t>(12, n_q - n0), [&](auto n_tag) {
+          score_tile<decltype(n_tag)::value>(qf.data() + n0 * d, d, kt + (ks - base[b]),
+                                             ldk[b], nk, s.data() + n0 * max_ldk, max_ldk);
+        });
+      std::vector<float> total(n_q);
+      for (int64_t n = 0; n < n_q; ++n) {  // softmax over the row's own keys, zeros elsewhere
+        float* sr = s.data() + n * max_ldk;
+        const float m = max_of(sr + lo[n], hi[n] - lo[n]);
+        for (int64_t t = 0; t < nk; ++t)
+          sr[t] = t >= lo[n] && t < hi[n] ? fast_exp(sr[t] - m) : 0.f;
+        total[n] = sum(sr, nk);
+      }
+      std::fill(acc.begin(), acc.begin() + n_q * dp, 0.f);
+      const int64_t used = key_end - ks;
+      for (int64_t n0 = 0; n0 < n_q; n0 += 6)
+        dispatch_rows(std::min<int64_t>(6, n_q - n0), [&](auto n_tag) {
+          weighted_tile<decltype(n_tag)::value>(s.data() + n0 * max_ldk, max_ldk,
+                                                vg + (ks - base[b]) * dp, dp, used,
+                                                acc.data() + n0 * dp);
+        });
+      for (int64_t r = 0, n = 0; r < nrows; ++r)
+        for (int64_t g = 0; g < group; ++g, ++n) {
+          scale_by(acc.data() + n * dp, 1.f / total[n], d);
+          convert(acc.data() + n * dp,
+                  out + ((q_start[b] + it.r0 + r) * heads + it.h * group + g) * d, d);
+        }
+    }
+  });
+}
+
+// Prefill attention straight over the paged cache: the rows of each request's chunk attend
+// causally its cached keys and the chunk's own (already written by rotary_write_kv), read
+// through the block table. q [T, H, D] with request b's query_lens[b] rows in order at
+// positions seq_lens[b] - query_lens[b] ...; k_cache/v_cache [num_blocks, block_size, KVH, D];
+// block_tables [B, M], seq_lens [B], query_lens [B] int64; window > 0: a sliding-window
+// layer's, each query attends the last ``window`` positions (itself included). Returns
+// [T, H, D] of out_dtype. Each row's result is independent of the chunking (see above).
+Tensor paged_prefill_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               const Tensor& block_tables, const Tensor& seq_lens,
+                               const Tensor& query_lens, double scale, at::ScalarType out_dtype,
+                               int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be >= 0");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0,
+              "paged_prefill_attention: q must be [T, H, D], D > 0");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) > 0 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_prefill_attention: k_cache/v_cache must be contiguous alike "
+              "[N, block_size, KVH, D]");
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0,
+              "paged_prefill_attention: head_dim or head counts do not match the cache");
+  Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  Tensor qlens = query_lens.contiguous();
+  const int64_t batch = lens.numel();
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 &&
+                  tables.size(0) == batch && lens.scalar_type() == at::kLong &&
+                  lens.dim() == 1 && qlens.scalar_type() == at::kLong &&
+                  qlens.sizes() == lens.sizes(),
+              "paged_prefill_attention: block_tables [B, M], seq_lens [B] and query_lens [B] "
+              "must be int64");
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t *len = lens.data_ptr<int64_t>(), *qlen = qlens.data_ptr<int64_t>();
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(qlen[b] >= 1 && qlen[b] <= len[b] && len[b] <= max_blocks * block_size,
+                "paged_prefill_attention: query_len or seq_len outside its block table");
+    rows += qlen[b];
+  }
+  TORCH_CHECK(rows == tokens, "paged_prefill_attention: query_lens must sum to q's rows");
+  for (int64_t i = 0; i < batch * max_blocks; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < k_cache.size(0),
+                "paged_prefill_attention: block id out of range");
+  Tensor qc = q.contiguous();
+  Tensor out = at::empty({tokens, heads, d}, qc.options().dtype(out_dtype));
+  if (tokens == 0) return out;
+  dispatch(qc.scalar_type(), "paged_prefill_attention", [&](auto q_tag) {
+    dispatch(k_cache.scalar_type(), "paged_prefill_attention_cache", [&](auto c_tag) {
+      using C = decltype(c_tag);
+      dispatch(out_dtype, "paged_prefill_attention_out", [&](auto o_tag) {
+        paged_prefill_attention_rows(qc.data_ptr<decltype(q_tag)>(), k_cache.data_ptr<C>(),
+                                     v_cache.data_ptr<C>(), table, len, qlen,
+                                     out.data_ptr<decltype(o_tag)>(), batch, heads, kv_heads,
+                                     d, block_size, max_blocks, static_cast<float>(scale),
+                                     window);
       });
     });
   });

@@ -23,6 +23,9 @@ TORCH_LIBRARY(OPS_NAMESPACE, m) {
         "ScalarType q_dtype) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, ScalarType out_dtype, int window=0) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_lens, float scale, "
+        "ScalarType out_dtype, int window=0) -> Tensor");
   m.def("rotary_write_kv_quant(Tensor qkv, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor seq_starts, Tensor open_rows, Tensor(a!) k_open, Tensor(b!) v_open, "
         "Tensor(c!) k_codes, Tensor(d!) v_codes, Tensor(e!) k_scale, Tensor(f!) k_zero, "
@@ -42,6 +45,7 @@ TORCH_LIBRARY_IMPL(OPS_NAMESPACE, CPU, m) {
   m.impl("packed_linear", &OPS_NAMESPACE::packed_linear);
   m.impl("rotary_write_kv", &OPS_NAMESPACE::rotary_write_kv);
   m.impl("paged_decode_attention", &OPS_NAMESPACE::paged_decode_attention);
+  m.impl("paged_prefill_attention", &OPS_NAMESPACE::paged_prefill_attention);
   m.impl("rotary_write_kv_quant", &OPS_NAMESPACE::rotary_write_kv_quant);
   m.impl("paged_decode_attention_quant", &OPS_NAMESPACE::paged_decode_attention_quant);
 }

@@ -27,6 +27,10 @@ Tensor rotary_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& seq_lens, double scale,
                               at::ScalarType out_dtype, int64_t window);
+Tensor paged_prefill_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               const Tensor& block_tables, const Tensor& seq_lens,
+                               const Tensor& query_lens, double scale, at::ScalarType out_dtype,
+                               int64_t window);
 Tensor rotary_write_kv_quant(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
                              const Tensor& slot_mapping, const Tensor& seq_starts,
                              const Tensor& open_rows, Tensor k_open, Tensor v_open,

@@ -83,10 +83,9 @@ class PackedLinear(Linear):
     the weight and keep the float32 panels, so generated tokens are computed exactly as in
     float32 mode. Whether a row is low-precision depends only on its token being a prompt
     token, never on the batch, and a row's product does not depend on the other rows. The
-    rounding to bfloat16 (inputs, and the product oneDNN returns) still turns the float32 noise
-    between two chunkings of a prompt (attention splits context and chunk differently) into
-    bfloat16-sized differences, so tokens can change with chunking as with any reduced
-    precision (docs/performance.md); swap restores the same bytes.
+    rounding to bfloat16 would turn any float32 noise between two chunkings of a prompt into
+    bfloat16-sized differences; the prefill attention kernel gives each prompt row the same
+    bits in every chunking, so none reaches here (docs/performance.md).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops,
