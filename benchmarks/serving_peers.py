@@ -177,6 +177,9 @@ def main() -> None:
                     help="also serve the pagedserve source tree in this folder (e.g. a git "
                          "worktree of an older commit), as 'pagedserve baseline'")
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="busy-loop processes (python -c 'while 1: pass') on the same cores "
+                         "for the whole run: a shared machine's load")
     ap.add_argument("--port", type=int, default=8441)
     ap.add_argument("--out", default=results_path("serving-peers.json"))
     args = ap.parse_args()
@@ -196,6 +199,18 @@ def main() -> None:
           "ITL p50 / p99 (ms) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     rows = []
+    busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.busy)]
+    try:
+        run_servers(args, gguf, threads, tokenizer, rows)
+    finally:
+        for p in busy:
+            p.kill()
+    summarize(rows)
+
+
+def run_servers(args, gguf: Path, threads: int, tokenizer, rows: list[dict]) -> None:
+    """Each server in turn over every workload and concurrency; rows appended to ``rows`` and
+    written to ``args.out`` after each run."""
     for name, (cmd, env) in servers(args, gguf, threads).items():
         server = Server(cmd, args.port, Path(f"/tmp/serving-peers-{name.replace(' ', '-')}.log"),
                         env=env)
@@ -225,7 +240,6 @@ def main() -> None:
                   flush=True)
         finally:
             server.stop()
-    summarize(rows)
 
 
 def summarize(rows: list[dict]) -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pagedserve import cpu
@@ -204,3 +205,31 @@ def test_bad_omp_num_threads_is_ignored_and_odd_cgroup_files_too(monkeypatch, tm
         monkeypatch.setenv("OMP_NUM_THREADS", value)
         assert cpu.omp_num_threads_set() is ok
     assert _cgroup(tmp_path, "garbage\n0::/j\n", {"j/cpu.max": "100000 0\n"}) is None
+
+
+def test_release_openmp_threads_frees_the_callers_pool(tmp_path):
+    """After a parallel region the calling thread's OpenMP workers exist; releasing them ends
+    those threads (the server does this before its engine thread takes over the model), and
+    the next region starts them again. Without a libgomp in the maps: False, nothing done."""
+    code = """
+import os, time, torch
+from pagedserve.cpu import release_openmp_threads
+torch.set_num_threads(2)
+x = torch.randn(4_000_000)
+(x * 2).sum()
+before = len(os.listdir('/proc/self/task'))
+released = release_openmp_threads()
+time.sleep(0.2)
+after = len(os.listdir('/proc/self/task'))
+(x * 2).sum()
+print(released, before, after, len(os.listdir('/proc/self/task')))
+"""
+    if (os.cpu_count() or 1) < 2 or "libgomp" not in open("/proc/self/maps").read():
+        pytest.skip("one CPU (no workers to free) or a torch without libgomp")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"}, check=True)
+    released, before, after, again = out.stdout.split()
+    assert released == "True" and int(after) < int(before) and int(again) == int(before)
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 00:00 0 /usr/lib/libc.so.6\n")
+    assert cpu.release_openmp_threads(maps) is False

@@ -17,6 +17,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pagedserve.cpu import release_openmp_threads
 from pagedserve.engine import LLMEngine
 from pagedserve.inputs import PromptType
 from pagedserve.outputs import RequestOutput
@@ -60,6 +61,9 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread; the caller's OpenMP threads are released first, since from
+        now on only the engine thread runs the model (cpu.release_openmp_threads)."""
+        release_openmp_threads()
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
