@@ -119,8 +119,11 @@ async def run_concurrency(url: str, model: str, prompts: list[str], out_len: int
             results.append(await _one(http, url, model, queue.pop(), out_len))
 
     t0 = time.perf_counter()
+    # a connection per request: reusing a kept-alive one races the server closing it (after its
+    # keep-alive count or timeout) and fails the request as "disconnected without a response"
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30),
-                                 limits=httpx.Limits(max_connections=None)) as http:
+                                 limits=httpx.Limits(max_connections=None,
+                                                     max_keepalive_connections=0)) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
     ok = [r for r in results if r["ok"]]
     duration = max(r["end"] for r in ok) - t0 if ok else float("nan")

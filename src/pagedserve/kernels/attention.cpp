@@ -5,6 +5,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <atomic>
+#include <memory>
 
 namespace OPS_NAMESPACE {
 
@@ -381,20 +382,29 @@ void paged_prefill_attention_rows(const Q* q, const C* k_cache, const C* v_cache
     offset[b + 1] = offset[b] + kv_heads * ldk[b] * (d + dp);
     q_start[b + 1] = q_start[b] + query_lens[b];
   }
-  std::vector<float> keys(offset[batch], 0.f);
+  // filled below, padding included: zeroing it all would be a memset of every key per layer
+  std::unique_ptr<float[]> keys(new float[offset[batch]]);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
-      float* kt = keys.data() + offset[b] + h * ldk[b] * (d + dp);
+      float* kt = keys.get() + offset[b] + h * ldk[b] * (d + dp);
       float* vg = kt + d * ldk[b];
       const int64_t* blocks = block_tables + b * max_blocks;
-      for (int64_t t = first_key(seq_lens[b] - query_lens[b]); t < seq_lens[b]; ++t) {
+      const int64_t first = first_key(seq_lens[b] - query_lens[b]) - base[b];
+      const int64_t last = seq_lens[b] - base[b];  // columns first .. last - 1 hold keys
+      for (int64_t i = 0; i < d; ++i) {
+        std::fill(kt + i * ldk[b], kt + i * ldk[b] + first, 0.f);
+        std::fill(kt + i * ldk[b] + last, kt + (i + 1) * ldk[b], 0.f);
+      }
+      std::fill(vg, vg + first * dp, 0.f);
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t t = c + base[b];
         const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-        const int64_t c = t - base[b];
         const float* k = as_float(k_cache + slot * kv + h * d, row.data(), d);
         for (int64_t i = 0; i < d; ++i) kt[i * ldk[b] + c] = k[i];
         convert(v_cache + slot * kv + h * d, vg + c * dp, d);
+        std::fill(vg + c * dp + d, vg + (c + 1) * dp, 0.f);
       }
     }
   });
@@ -425,7 +435,7 @@ void paged_prefill_attention_rows(const Q* q, const C* k_cache, const C* v_cache
       const int64_t pos0 = ctx + it.r0, key_end = pos0 + nrows;
       const int64_t ks = first_key(pos0) / 16 * 16;  // this tile's first key, lane-aligned
       const int64_t nk = (key_end - ks + 31) / 32 * 32;
-      const float* kt = keys.data() + offset[b] + it.h * ldk[b] * (d + dp);
+      const float* kt = keys.get() + offset[b] + it.h * ldk[b] * (d + dp);
       const float* vg = kt + d * ldk[b];
       for (int64_t r = 0, n = 0; r < nrows; ++r)
         for (int64_t g = 0; g < group; ++g, ++n) {
