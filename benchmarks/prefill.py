@@ -2,13 +2,17 @@
 (one output token each, engine defaults otherwise), for each prefill mode and, with
 ``--baseline-src``, an older checkout's default, each in its own process and alternating round
 by round; then where one step's time goes (torch profiler, self CPU time by kind of op).
+``--attention`` instead times one layer's prefill attention on SmolLM2's shapes: the
+``paged_prefill_attention`` kernel against torch's CPU flash attention over the same keys.
 
     python benchmarks/prefill.py [--baseline-src ../old-worktree] [--rounds 2]
+    python benchmarks/prefill.py --attention
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -56,6 +60,47 @@ def child(mode: str, prompt_len: int, n: int, profile: bool) -> None:
     print(json.dumps(out))
 
 
+def attention(lengths=(512, 2048), heads=9, kv_heads=3, d=64, block_size=16) -> dict:
+    """ms per call of one layer's causal prefill attention of one prompt, kernel and flash."""
+    import time
+
+    import torch
+
+    from pagedserve.kernels import load
+
+    ops, out = load(), {}
+    for n in lengths:
+        blocks = n // block_size
+        k = torch.randn(blocks, block_size, kv_heads, d)
+        v = torch.randn_like(k)
+        q = torch.randn(n, heads, d)
+        table = torch.randperm(blocks)[None]
+        lens = torch.tensor([n])
+        kf = k[table[0]].view(1, n, kv_heads, d).transpose(1, 2).repeat_interleave(
+            heads // kv_heads, 1)
+        vf = v[table[0]].view(1, n, kv_heads, d).transpose(1, 2).repeat_interleave(
+            heads // kv_heads, 1)
+        calls = {
+            "kernel": functools.partial(ops.paged_prefill_attention, q, k, v, table, lens, lens,
+                                        d ** -0.5, torch.float32, 0),
+            "torch flash": functools.partial(
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                q.transpose(0, 1)[None], kf, vf, 0.0, True, scale=d ** -0.5)}
+        out[n] = {}
+        for name, f in calls.items():
+            for _ in range(3):
+                f()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                f()
+            ms = (time.perf_counter() - t0) * 50
+            # causal work: half of the 2 * 2 * n * n * d multiply-adds per query head
+            out[n][name] = {"ms": ms, "gflops": heads * n * n * d * 2 / ms / 1e6}
+            print(f"{n} tokens, {name}: {ms:.1f} ms per layer, {out[n][name]['gflops']:.0f} "
+                  "GFLOP/s", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline-src", type=Path, default=None,
@@ -66,10 +111,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=positive, default=2)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--attention", action="store_true",
+                    help="time the prefill attention kernel against torch flash instead")
     ap.add_argument("--json", default=results_path("prefill.json"))
     args = ap.parse_args()
     if args.child is not None:
         child(args.child, args.prompt_len, args.prompts, args.profile)
+        return
+    if args.attention:
+        result = attention()
+        if args.json:
+            Path(results_path("prefill-attention.json")).write_text(json.dumps(result, indent=1))
         return
     here = Path(__file__).resolve().parent
     runs = {name: ({**os.environ}, kwargs) for name, kwargs in MODES.items()

@@ -224,6 +224,29 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
   });
 }
 
+// The checks both paged attention ops over an unquantized cache make: q [rows, H, D], D > 0;
+// k_cache/v_cache [N, block_size, KVH, D], KVH > 0, contiguous alike; H a multiple of KVH.
+inline void check_paged_attention(const char* name, const Tensor& q, const Tensor& k_cache,
+                                  const Tensor& v_cache, int64_t window) {
+  TORCH_CHECK(window >= 0, name, ": window must be >= 0");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0, name, ": q must be [rows, H, D], D > 0");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) > 0, name,
+              ": k_cache must be [N, block_size, KVH, D], KVH > 0");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              name, ": k_cache/v_cache must be contiguous alike");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, name,
+              ": head_dim or head counts do not match the cache");
+}
+
+// Every entry of a block table [n] inside the cache's num_blocks.
+inline void check_block_ids(const char* name, const int64_t* table, int64_t n,
+                            int64_t num_blocks) {
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, name, ": block id out of range");
+}
+
 // Decode attention straight over the paged cache (PagedAttention sec. 4.1): one query per
 // sequence, each of its G = H / KVH query heads per KV head reading the K/V rows of that head
 // through the block table, so K/V are read once per (sequence, KV head) and never gathered.
@@ -234,18 +257,9 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& seq_lens, double scale,
                               at::ScalarType out_dtype, int64_t window) {
-  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0, "paged_decode_attention: q must be [B, H, D], D > 0");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) > 0,
-              "paged_decode_attention: k_cache must be [N, block_size, KVH, D], KVH > 0");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_decode_attention: k_cache/v_cache must be contiguous alike");
+  check_paged_attention("paged_decode_attention", q, k_cache, v_cache, window);
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0,
-              "paged_decode_attention: head_dim or head counts do not match the cache");
   Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == batch &&
                   lens.scalar_type() == at::kLong && lens.dim() == 1 && lens.numel() == batch,
@@ -256,9 +270,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(len[b] >= 1 && len[b] <= max_blocks * block_size,
                 "paged_decode_attention: seq_len outside its block table");
-  for (int64_t i = 0; i < batch * max_blocks; ++i)
-    TORCH_CHECK(table[i] >= 0 && table[i] < k_cache.size(0),
-                "paged_decode_attention: block id out of range");
+  check_block_ids("paged_decode_attention", table, batch * max_blocks, k_cache.size(0));
   Tensor qc = q.contiguous();
   Tensor out = at::empty({batch, heads, d}, qc.options().dtype(out_dtype));
   dispatch(qc.scalar_type(), "paged_decode_attention", [&](auto q_tag) {
@@ -487,18 +499,9 @@ Tensor paged_prefill_attention(const Tensor& q, const Tensor& k_cache, const Ten
                                const Tensor& block_tables, const Tensor& seq_lens,
                                const Tensor& query_lens, double scale, at::ScalarType out_dtype,
                                int64_t window) {
-  TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be >= 0");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0,
-              "paged_prefill_attention: q must be [T, H, D], D > 0");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) > 0 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_prefill_attention: k_cache/v_cache must be contiguous alike "
-              "[N, block_size, KVH, D]");
+  check_paged_attention("paged_prefill_attention", q, k_cache, v_cache, window);
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0,
-              "paged_prefill_attention: head_dim or head counts do not match the cache");
   Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   Tensor qlens = query_lens.contiguous();
   const int64_t batch = lens.numel();
@@ -518,9 +521,7 @@ Tensor paged_prefill_attention(const Tensor& q, const Tensor& k_cache, const Ten
     rows += qlen[b];
   }
   TORCH_CHECK(rows == tokens, "paged_prefill_attention: query_lens must sum to q's rows");
-  for (int64_t i = 0; i < batch * max_blocks; ++i)
-    TORCH_CHECK(table[i] >= 0 && table[i] < k_cache.size(0),
-                "paged_prefill_attention: block id out of range");
+  check_block_ids("paged_prefill_attention", table, batch * max_blocks, k_cache.size(0));
   Tensor qc = q.contiguous();
   Tensor out = at::empty({tokens, heads, d}, qc.options().dtype(out_dtype));
   if (tokens == 0) return out;
@@ -1024,8 +1025,7 @@ Tensor paged_decode_attention_quant(const Tensor& q, const Tensor& k_codes,
                 ": seq_len outside its block table");
     TORCH_CHECK(orow[b] >= 0 && orow[b] < k_open.size(0), name, ": open row out of range");
   }
-  for (int64_t i = 0; i < batch * max_blocks; ++i)
-    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, name, ": block id out of range");
+  check_block_ids(name, table, batch * max_blocks, num_blocks);
   Tensor qc = q.contiguous();
   Tensor out = at::empty({batch, heads, d}, qc.options().dtype(out_dtype));
   dispatch(qc.scalar_type(), name, [&](auto q_tag) {
