@@ -5,7 +5,7 @@ by round; then where one step's time goes (torch profiler, self CPU time by kind
 ``--attention`` instead times one layer's prefill attention on SmolLM2's shapes: the
 ``paged_prefill_attention`` kernel against torch's CPU flash attention over the same keys.
 
-    python benchmarks/prefill.py [--baseline-src ../old-worktree] [--rounds 2]
+    python benchmarks/prefill.py [--baseline-src ../old-worktree [--baseline-modes int4]]
     python benchmarks/prefill.py --attention
 """
 
@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="an older checkout (its src/ is imported instead) run at its defaults")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--baseline-modes", nargs="+", default=[], choices=list(MODES),
+                    help="run the older checkout in these modes (default: its own default)")
     ap.add_argument("--prompt-len", type=positive, default=512)
     ap.add_argument("--prompts", type=positive, default=8)
     ap.add_argument("--rounds", type=positive, default=2)
@@ -128,7 +130,9 @@ def main() -> None:
             if name in args.modes}
     if args.baseline_src is not None:
         env = {**os.environ, "PYTHONPATH": f"{args.baseline_src.resolve() / 'src'}:{here}"}
-        runs = {"baseline (older checkout, its default)": (env, {}), **runs}
+        base_runs = {f"baseline {m}": (env, MODES[m]) for m in args.baseline_modes} or \
+            {"baseline (older checkout, its default)": (env, {})}
+        runs = {**base_runs, **runs}
     results: dict[str, list] = {name: [] for name in runs}
     for r in range(args.rounds):
         for name, (env, kwargs) in runs.items():

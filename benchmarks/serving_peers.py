@@ -153,6 +153,9 @@ def servers(args, gguf: Path, threads: int) -> dict[str, tuple[list[str], dict]]
            "llama-server": ([str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1",
                              "--port", port, "-np", str(slots), "-c", str(ctx), "-t",
                              str(threads), "-a", "m"], {})}
+    for variant in args.variant:  # NAME=FLAGS: pagedserve with these flags, as "pagedserve NAME"
+        name, _, flags = variant.partition("=")
+        out[f"pagedserve {name}"] = (paged + flags.split(), {})
     if args.baseline_src is not None:
         env = {"PYTHONPATH": str(args.baseline_src.resolve() / "src")}
         out = {"pagedserve baseline": (paged, env), **out}
@@ -179,6 +182,9 @@ def main() -> None:
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="also serve the pagedserve source tree in this folder (e.g. a git "
                          "worktree of an older commit), as 'pagedserve baseline'")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also serve pagedserve with these flags as 'pagedserve NAME', e.g. "
+                         "--variant 'itl150=--itl-target-ms 150' (repeatable)")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--busy", type=int, default=0,
                     help="busy-loop processes (python -c 'while 1: pass') on the same cores "

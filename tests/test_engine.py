@@ -228,6 +228,46 @@ def test_preemption_gives_the_same_tokens(tiny_llama):
     assert stats.num_preemptions > 0 and stats.peak_used_blocks <= 24
 
 
+def test_an_itl_target_chunks_arriving_prompts_and_keeps_the_tokens(tiny_llama):
+    """A target no step can meet caps every step that decodes at MIN_PREFILL_TOKENS prompt
+    tokens per decoding sequence's worth of waiting prompts (once the engine has timed a
+    decode-only step and a prompt); the tokens equal an uncapped run's."""
+    from pagedserve.core.scheduler import MIN_PREFILL_TOKENS
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[(17 * i + 5 * j) % 200 + 3 for j in range(100)] for i in range(3)]
+
+    def run(target):
+        engine = LLM(tiny_llama, num_kv_blocks=256, block_size=4, max_model_len=128,
+                     itl_target_ms=target).llm_engine
+        chunks, schedule = [], engine.scheduler.schedule
+
+        def recording():
+            out = schedule()
+            chunks.append({s.request.request_id: n for s, n in out.scheduled})
+            return out
+        engine.scheduler.schedule = recording
+        done = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            for _ in range(2):
+                for out in engine.step():
+                    done[out.request_id] = out.outputs[0].token_ids
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out.outputs[0].token_ids
+        return done, chunks
+
+    ref, ref_chunks = run(0.0)
+    assert ref_chunks[2]["1"] == 100  # uncapped: the second prompt in one step
+    got, chunks = run(1e-3)
+    assert got == ref
+    assert chunks[2] == chunks[3] == {"0": 1, "1": MIN_PREFILL_TOKENS}
+    # two prompts being read beside one decoding sequence: twice the budget, first come first
+    # served
+    assert chunks[4] == {"0": 1, "1": 2 * MIN_PREFILL_TOKENS}
+
+
 def test_abort_frees_blocks_and_engine_continues(llm):
     engine = llm.llm_engine
     engine.add_request("long", "Once upon a time", SamplingParams(max_tokens=100, ignore_eos=True))

@@ -54,20 +54,35 @@ def test_other_weights_stay_within_half_a_step():
     assert torch.equal(layer.dense[3, :32].float(), torch.full((32,), 0.25))
 
 
-def test_kernel_and_bfloat16_copy_agree():
+@pytest.mark.parametrize("dense_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_and_dequantized_copy_agree(dense_dtype):
+    """The copy holds the same bfloat16 weights in either dtype (float32 where the CPU has no
+    bfloat16 matmul unit); more rows than SMALL_ROWS multiply by it."""
     w = torch.randn(208, 64)
-    layer = Int4Linear.from_weight(w)
-    assert layer.packed is not None
+    layer = Int4Linear.from_weight(w, dense_dtype)
+    assert layer.packed is not None and layer.dense.dtype == dense_dtype
+    assert torch.equal(layer.dense, layer.dense.bfloat16().to(dense_dtype))
     x = torch.randn(40, 64)
-    dense = F.linear(x.bfloat16(), layer.dense).float()
-    # both round the output to bfloat16; the copy also rounds the weights: <= 2^-8 sum |x w|
+    dense = F.linear(x.bfloat16().to(dense_dtype), layer.dense).float()
+    # the kernel rounds the output to bfloat16, the copy's product may not: <= 2^-8 sum |x w|
     bound = 2 ** -7 * (x.bfloat16().float().abs() @ layer.dense.float().abs().t())
     for rows in (1, 2, 7, SMALL_ROWS):
         assert ((layer(x[:rows]) - dense[:rows]).abs() <= bound[:rows]).all()
-    assert torch.equal(layer(x), dense)  # more rows: the bfloat16 copy itself
+    assert torch.equal(layer(x), dense)  # more rows: the copy itself
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    odd = Int4Linear.from_weight(w[:200])  # no kernel for 200 rows: the bfloat16 copy at every size
-    assert odd.packed is None and torch.equal(odd(x[:1]), dense[:1, :200])
+    odd = Int4Linear.from_weight(w[:200], dense_dtype)  # no kernel for 200 rows: the copy
+    one = F.linear(x[:1].bfloat16().to(dense_dtype), odd.dense).float()
+    assert odd.packed is None and torch.equal(odd(x[:1]), one)
+
+
+def test_the_copy_is_float32_only_without_a_bfloat16_unit(monkeypatch):
+    from pagedserve.model import quant
+
+    w = torch.randn(32, 64)
+    for unit, dtype in (("none", torch.float32), ("avx512_bf16", torch.bfloat16),
+                        ("amx", torch.bfloat16)):
+        monkeypatch.setattr(quant, "matrix_unit", lambda unit=unit: unit)
+        assert Int4Linear.from_weight(w).dense.dtype == dtype
 
 
 def test_bad_shapes_and_options_are_refused(tiny_qwen2, tiny_llama):

@@ -9,16 +9,16 @@ from _helpers import make_sequence
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_manager import BlockManager
-from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduler import MIN_PREFILL_TOKENS, Scheduler, StepCost
 from pagedserve.runner import prepare_input
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import SequenceStatus
 
 
 def _scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, threshold=0,
-               caching=True, mode="recompute"):
+               caching=True, mode="recompute", itl_target_ms=0.0):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    config = SchedulerConfig(max_num_seqs, budget, 1024, threshold)
+    config = SchedulerConfig(max_num_seqs, budget, 1024, threshold, itl_target_ms)
     return Scheduler(config, bm, mode)
 
 
@@ -66,6 +66,46 @@ def test_long_prefill_token_threshold_caps_prefill_chunks_not_decodes():
     uncapped = _scheduler(budget=64)
     _add(uncapped, 20, "long")
     assert _step(uncapped) == {"long": 20}
+
+
+def test_step_cost_budget_is_what_fits_beside_the_decodes():
+    cost = StepCost()
+    assert cost.prefill_budget(0.1) is None  # nothing measured yet
+    for _ in range(3):
+        cost.observe(8, 0, 0.020)  # decode-only steps: 20 ms
+    assert cost.prefill_budget(0.1) is None  # no prompt-token cost yet
+    cost.observe(0, 10, 1.0)  # too few prompt tokens to learn from
+    assert cost.prefill_budget(0.1) is None
+    cost.observe(8, 100, 0.120)  # 100 ms beyond the decodes: 1 ms per prompt token
+    cost.observe(0, 200, 0.200)  # no decodes: all of it is the prompt's
+    assert cost.prefill_budget(0.1) == 80  # (100 - 20) ms / 1 ms
+    cost.observe(8, 0, 5.0)  # one stalled step does not move the median
+    assert cost.prefill_budget(0.1) == 80
+    assert cost.prefill_budget(0.001) == MIN_PREFILL_TOKENS  # prompts always move
+
+
+def test_itl_target_caps_prompt_tokens_only_while_requests_decode():
+    sched = _scheduler(budget=512, itl_target_ms=100.0, block_size=16, num_blocks=256)
+    for _ in range(4):
+        sched.step_cost.observe(2, 0, 0.020)
+        sched.step_cost.observe(2, 100, 0.020 + 100 * 0.002)  # 2 ms per prompt token
+    _add(sched, 300, "a")
+    assert _step(sched) == {"a": 300}  # nothing decodes: no cap
+    _add(sched, 300, "b", first=400)
+    _add(sched, 300, "c", first=800)
+    # a decodes, b and c wait: (100 - 20) ms / 2 ms = 40 prompt tokens, times 2 / 1
+    assert _step(sched) == {"a": 1, "b": 80}
+    _add(sched, 300, "d", first=1200)  # b, c, d against a: 3 x 40, first come first served
+    assert _step(sched) == {"a": 1, "b": 120}
+    assert _step(sched) == {"a": 1, "b": 100, "c": 20}
+    assert _step(sched) == {"a": 1, "b": 1, "c": 40}  # c, d against a and b: 2 / 2
+    off = _scheduler(budget=512, block_size=16, num_blocks=256)
+    for _ in range(4):
+        off.step_cost.observe(2, 100, 0.220)
+    _add(off, 300, "a")
+    _step(off)
+    _add(off, 300, "b", first=400)
+    assert _step(off) == {"a": 1, "b": 300}
 
 
 def test_max_num_seqs_bounds_the_batch():

@@ -142,12 +142,15 @@ class CacheConfig:
 class SchedulerConfig:
     """Bounds of one step: at most ``max_num_seqs`` running requests and
     ``max_num_batched_tokens`` tokens computed (prefill chunks plus decodes);
-    ``long_prefill_token_threshold`` > 0 caps one request's prefill chunk per step."""
+    ``long_prefill_token_threshold`` > 0 caps one request's prefill chunk per step;
+    ``itl_target_ms`` > 0 caps a step's prompt tokens, while requests decode, at what the
+    measured step cost says fits in that many milliseconds (``Scheduler``'s ``StepCost``)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int = 0
+    itl_target_ms: float = 0.0
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
@@ -292,6 +295,12 @@ class EngineArgs:
              "max_num_batched_tokens); a lower cap keeps a long prompt from stretching the "
              "running streams' inter-token latency (256 halves it at no cost to the prompt's "
              "first token: docs/performance.md)")
+    itl_target_ms: float = _opt(
+        0.0, "while requests are decoding, a step computes only as many prompt tokens as its "
+             "measured cost says fit in this many milliseconds (at least 16, and more while "
+             "more requests wait for a first token than decode), so arriving prompts stretch "
+             "the running streams' inter-token latency to about this; 0: off "
+             "(docs/performance.md)")
     kv_cache_memory: int | None = _opt(None, "KV cache size in bytes; the CLI also takes units "
                                              "(2GiB, 512MB). Default: a share of free memory",
                                        parse="bytes")
@@ -344,6 +353,9 @@ class EngineArgs:
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
+        t = self.itl_target_ms
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
+            raise ValueError(f"itl_target_ms must be a finite number >= 0, got {t!r}")
         seed = self.seed
         if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
@@ -398,7 +410,7 @@ class EngineArgs:
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
-                               self.long_prefill_token_threshold)
+                               self.long_prefill_token_threshold, float(self.itl_target_ms))
 
 
 def fields_by_name() -> dict[str, Any]:

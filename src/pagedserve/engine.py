@@ -184,8 +184,7 @@ class LLMEngine:
         return self.driver is None or self.driver.alive
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (no-op without them); the engine is unusable
-        afterwards."""
+        """Stop the tensor-parallel workers (if any); the engine is unusable afterwards."""
         if self.driver is not None:
             self.driver.close()
 
@@ -250,6 +249,7 @@ class LLMEngine:
         self.stats.finished(outputs)
         if self.spec is not None:  # the next step's drafts
             self.spec.propose(self.scheduler.running, done)
+        self.scheduler.observe_step(sched)
         if self.cache_config.debug_checks:
             self.scheduler.check_invariants()
         return outputs

@@ -11,12 +11,20 @@ first-come-first-served while blocks and budget last. When a running request can
 blocks, the newest running request is preempted with all its sequences: swapped to host memory
 (``preemption_mode="swap"``, if the host pool has room) or freed and re-prefilled later
 (``"recompute"``, reusing whatever the prefix cache still holds).
+
+With ``itl_target_ms`` set, prompt tokens get only what is left of a time budget once the
+decoding sequences are in (times the ratio of sequences waiting for a first token to those
+decoding, when they are more): Sarathi-Serve's stall-free batching (Agrawal et al., OSDI 2024, §4.2),
+with the token budget derived from the latency target by the engine's own recent step times
+(``StepCost``) instead of an offline profile, since on a CPU the cost per token moves with the
+machine, the dtype and whatever else runs on the cores.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -60,6 +68,10 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     open_rows: OpenRowOps = field(default_factory=OpenRowOps)
+    # rows that end a sequence (its last token and drafts), and every other row (prompt or
+    # recompute tokens): what StepCost learns from
+    num_decode_rows: int = 0
+    num_prefill_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -68,6 +80,40 @@ class SchedulerOutput:
 
 
 MAX_ERROR_CHARS = 300  # of a grammar engine's error, in a request's error message
+# Under an ITL target a step still computes this many prompt tokens, so prompts keep moving
+# however slow the decodes alone are.
+MIN_PREFILL_TOKENS = 16
+
+
+class StepCost:
+    """Recent step times, for the prompt-token budget under ``itl_target_ms``: the median
+    time of the last ``window`` decode-only steps (seconds) and the median cost per prompt
+    token (seconds) of the last ``window`` steps with at least MIN_PREFILL_TOKENS of them, net
+    of the decode estimate when the step also decoded. Medians, so one slow step (a garbage
+    collection, a neighbour's burst) does not move the budget."""
+
+    def __init__(self, window: int = 16):
+        self.decode_s: deque[float] = deque(maxlen=window)
+        self.token_s: deque[float] = deque(maxlen=window)
+
+    def observe(self, num_decode_rows: int, num_prefill_tokens: int, seconds: float) -> None:
+        if num_prefill_tokens == 0:
+            if num_decode_rows:
+                self.decode_s.append(seconds)
+        elif num_prefill_tokens >= MIN_PREFILL_TOKENS:
+            base = statistics.median(self.decode_s) if num_decode_rows and self.decode_s else 0
+            self.token_s.append(max(seconds - base, 0.0) / num_prefill_tokens)
+
+    def prefill_budget(self, target_s: float) -> int | None:
+        """Prompt tokens that fit beside the decodes in ``target_s`` seconds, at least
+        MIN_PREFILL_TOKENS; None until both estimates exist."""
+        if not self.decode_s or not self.token_s:
+            return None
+        per_token = statistics.median(self.token_s)
+        spare = target_s - statistics.median(self.decode_s)
+        if per_token <= 0:
+            return None
+        return max(MIN_PREFILL_TOKENS, int(spare / per_token))
 
 
 class Scheduler:
@@ -88,6 +134,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
+        self.step_cost = StepCost()
+        self._prefill_left = 0  # prompt tokens the step being scheduled may still take
+        self._step_start = 0.0
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -129,9 +178,11 @@ class Scheduler:
             start = bm.hit_blocks(hits) * bm.block_size if hits else seq.num_computed_tokens
             left = seq.num_tokens - start
             n = min(left, budget)
-            cap = self.config.long_prefill_token_threshold
-            if cap and start < seq.num_prompt_tokens:  # a prefill chunk, not a decode
-                n = min(n, cap)
+            if left > 1:  # a prefill chunk (prompt or recompute), not a decode
+                n = min(n, self._prefill_left)
+                cap = self.config.long_prefill_token_threshold
+                if cap and start < seq.num_prompt_tokens:
+                    n = min(n, cap)
             if n == left and seq.spec_token_ids:  # the drafts follow the chunk's end
                 n = min(left + self._num_drafts(seq), budget)
             if n > 0:
@@ -183,20 +234,43 @@ class Scheduler:
                 # cached hits (siblings under a grammar often have equal blocks).
                 bm.take_hits(seq, hits)
         for seq, n, _ in items:
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                self._prefill_left -= n
             # the drafts this chunk computes (none unless it reaches the last token)
             del seq.spec_token_ids[max(0, seq.num_computed_tokens + n - seq.num_tokens):]
+            ends = max(0, seq.num_computed_tokens + n - seq.num_tokens + 1)  # last token, drafts
+            out.num_decode_rows += ends
+            out.num_prefill_tokens += n - ends
             bm.allocate(seq, n, [], out.blocks_to_copy)
             out.scheduled.append(ScheduledChunk(seq, n))
 
     def schedule(self) -> SchedulerOutput:
+        self._step_start = time.perf_counter()  # observe_step times the step from here
         out = SchedulerOutput()
         self._schedule(out)
         out.open_rows = self.block_manager.take_open_ops()
         return out
 
+    def observe_step(self, sched: SchedulerOutput) -> None:
+        """The step ``sched`` (the last ``schedule()``) is done: its time goes to StepCost."""
+        self.step_cost.observe(sched.num_decode_rows, sched.num_prefill_tokens,
+                               time.perf_counter() - self._step_start)
+
     def _schedule(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        self._prefill_left = budget
+        target = self.config.itl_target_ms
+        if target:
+            seqs = [s for r in self.running for s in r.live_seqs]
+            decoding = sum(s.num_computed_tokens >= s.num_tokens - 1 for s in seqs)
+            tokens = self.step_cost.prefill_budget(target / 1e3) if decoding else None
+            if tokens is not None:
+                # Scaled by those waiting for a first token against those decoding: one
+                # arrival among many streams may not stall them, but a burst of arrivals
+                # beside a few streams is read at full speed.
+                reading = len(self.waiting) + len(seqs) - decoding
+                self._prefill_left = tokens * max(reading, decoding) // decoding
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

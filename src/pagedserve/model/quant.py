@@ -19,7 +19,9 @@ Q4_1), the projections read about 60 MB. Invariants:
 - Up to ``SMALL_ROWS`` rows (decode of a few sequences) run torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, for out_features divisible by 16), which reads the packed
   weights; larger batches, other shapes and other devices multiply by a bfloat16 copy of the
-  same dequantized weights, which is faster there. The two paths differ by float rounding
+  same dequantized weights, which is faster there. A CPU without a bfloat16 matmul unit
+  (``cpu.matrix_unit() == "none"``, e.g. AVX2 only) keeps that copy in float32 instead: its
+  bfloat16 matmuls are emulated and 3-7x slower than float32 ones (docs/performance.md). The two paths differ by float rounding
   only, so tokens can depend on the batch size, as with any reduced precision.
 """
 
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.config import QUANTIZATIONS
+from pagedserve.cpu import matrix_unit
 from pagedserve.model.linear import Linear
 
 GROUP_SIZE = 32
@@ -50,7 +53,10 @@ class Int4Linear(Linear):
     Raises ValueError when ``in`` is not a multiple of GROUP_SIZE or a bias is asked for.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dense_dtype: torch.dtype | None = None):
+        """``dense_dtype``: the dequantized copy's dtype (default: bfloat16, or float32 on a
+        CPU without a bfloat16 matmul unit when the weights are on the CPU)."""
         if bias:
             raise ValueError("quantization='int4' does not support linear layers with a bias")
         if in_features % GROUP_SIZE:
@@ -59,11 +65,13 @@ class Int4Linear(Linear):
         super().__init__(in_features, out_features)
         self.register_buffer("dense", None, persistent=False)
         self.packed = self.scales_and_zeros = None
+        self.dense_dtype = dense_dtype
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> Int4Linear:
+    def from_weight(cls, weight: torch.Tensor, dense_dtype: torch.dtype | None = None
+                    ) -> Int4Linear:
         """An Int4Linear holding ``weight`` [out, in] quantized."""
-        layer = cls(weight.shape[1], weight.shape[0]).to(weight.device)
+        layer = cls(weight.shape[1], weight.shape[0], dense_dtype=dense_dtype).to(weight.device)
         layer.weight.data = weight.detach().float()
         layer.finish_loading()
         return layer
@@ -78,7 +86,12 @@ class Int4Linear(Linear):
         # [k / group, n, 2] = (scale, zero) in bfloat16, the layout torch's kernel takes
         sz = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
         s, z = (sz[..., i].float().t().repeat_interleave(GROUP_SIZE, 1) for i in (0, 1))
-        self.dense = ((q - 8) * s + z).to(torch.bfloat16)
+        dtype = self.dense_dtype
+        if dtype is None:
+            dtype = torch.float32 if w.device.type == "cpu" and matrix_unit() == "none" \
+                else torch.bfloat16
+        # bfloat16 values either way: float32 only holds them for float32 matmuls
+        self.dense = ((q - 8) * s + z).to(torch.bfloat16).to(dtype)
         if w.device.type == "cpu" and n % 16 == 0:  # the kernel's layout needs n % 16 == 0
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_and_zeros = sz
@@ -90,11 +103,11 @@ class Int4Linear(Linear):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE,
                                                            self.scales_and_zeros)
         else:
-            y = F.linear(xb, self.dense)
+            y = F.linear(xb.to(self.dense.dtype), self.dense)
         return y.to(x.dtype)
 
     def nbytes(self) -> int:
-        """Bytes held: the packed weights, scales and offsets, and the bfloat16 copy."""
+        """Bytes held: the packed weights, scales and offsets, and the dequantized copy."""
         return sum(t.numel() * t.element_size()
                    for t in (self.packed, self.scales_and_zeros, self.dense) if t is not None)
 
