@@ -150,6 +150,10 @@ def test_unknown_engine_options_name_the_known_ones():
         EngineArgs.from_kwargs(None, gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineArgs(long_prefill_token_threshold=-1)
+    for bad in (-1, float("nan"), float("inf"), 1e308, 10**400, True, "50", None):
+        with pytest.raises(ValueError, match="itl_target_ms must be a number from 0"):
+            EngineArgs(itl_target_ms=bad)
+    assert EngineArgs(itl_target_ms=3_600_000).scheduler_config(64).itl_target_ms == 3.6e6
 
 
 def test_environment_variables_are_read_in_envs_only():

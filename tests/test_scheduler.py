@@ -82,6 +82,9 @@ def test_step_cost_budget_is_what_fits_beside_the_decodes():
     cost.observe(8, 0, 5.0)  # one stalled step does not move the median
     assert cost.prefill_budget(0.1) == 80
     assert cost.prefill_budget(0.001) == MIN_PREFILL_TOKENS  # prompts always move
+    for _ in range(3):  # an absurd rate (the median now) still gives a finite budget
+        cost.observe(0, 10**6, 1e-300)
+    assert cost.prefill_budget(3600.0) == 2**31
 
 
 def test_itl_target_caps_prompt_tokens_only_while_requests_decode():

@@ -257,6 +257,7 @@ def _positive(name: str, value: Any, optional: bool = False) -> None:
 
 
 MAX_BLOCK_SIZE = 1024
+MAX_ITL_TARGET_MS = 3_600_000  # above this the budget is no cap at all; bounded so it stays finite
 
 
 @dataclass
@@ -354,8 +355,10 @@ class EngineArgs:
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
         t = self.itl_target_ms
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
-            raise ValueError(f"itl_target_ms must be a finite number >= 0, got {t!r}")
+        if not isinstance(t, (int, float)) or isinstance(t, bool) \
+                or not 0 <= t <= MAX_ITL_TARGET_MS:
+            raise ValueError(f"itl_target_ms must be a number from 0 to {MAX_ITL_TARGET_MS:,} "
+                             f"(an hour), got {t!r}")
         seed = self.seed
         if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")

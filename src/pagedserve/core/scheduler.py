@@ -113,7 +113,7 @@ class StepCost:
         spare = target_s - statistics.median(self.decode_s)
         if per_token <= 0:
             return None
-        return max(MIN_PREFILL_TOKENS, int(spare / per_token))
+        return max(MIN_PREFILL_TOKENS, int(min(spare / per_token, 2**31)))
 
 
 class Scheduler:
