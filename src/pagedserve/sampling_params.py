@@ -249,7 +249,8 @@ class SamplingParams:
                      f"numbers, got {bias!r:.200}")
             for token, value in bias.items():
                 if not _is_int(token) or not 0 <= token <= INT64_MAX:
-                    fail(f"logit_bias: token ids must be non-negative integers, got {token!r}")
+                    fail(f"logit_bias: token ids must be integers in [0, 2**63), got "
+                         f"{token!r}")
                 if not (_is_int(value) or isinstance(value, float)) or not -100 <= value <= 100:
                     fail(f"logit_bias: biases must be numbers in [-100, 100], got {value!r} "
                          f"for token {token}")
