@@ -14,10 +14,10 @@ blocks, the newest running request is preempted with all its sequences: swapped 
 
 With ``itl_target_ms`` set, prompt tokens get only what is left of a time budget once the
 decoding sequences are in (times the ratio of sequences waiting for a first token to those
-decoding, when they are more): Sarathi-Serve's stall-free batching (Agrawal et al., OSDI 2024, §4.2),
-with the token budget derived from the latency target by the engine's own recent step times
-(``StepCost``) instead of an offline profile, since on a CPU the cost per token moves with the
-machine, the dtype and whatever else runs on the cores.
+decoding, when they are more): Sarathi-Serve's stall-free batching (Agrawal et al., OSDI
+2024, §4.2), with the token budget derived from the latency target by the engine's own recent
+step times (``StepCost``) instead of an offline profile, since on a CPU the cost per token
+moves with the machine, the dtype and whatever else runs on the cores.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ class Scheduler:
             if tokens is not None:
                 # Scaled by those waiting for a first token against those decoding: one
                 # arrival among many streams may not stall them, but a burst of arrivals
-                # beside a few streams is read at full speed.
+                # beside a few streams gets a budget as many times larger.
                 reading = len(self.waiting) + len(seqs) - decoding
                 self._prefill_left = tokens * max(reading, decoding) // decoding
         i = 0

@@ -21,8 +21,9 @@ Q4_1), the projections read about 60 MB. Invariants:
   weights; larger batches, other shapes and other devices multiply by a bfloat16 copy of the
   same dequantized weights, which is faster there. A CPU without a bfloat16 matmul unit
   (``cpu.matrix_unit() == "none"``, e.g. AVX2 only) keeps that copy in float32 instead: its
-  bfloat16 matmuls are emulated and 3-7x slower than float32 ones (docs/performance.md). The two paths differ by float rounding
-  only, so tokens can depend on the batch size, as with any reduced precision.
+  bfloat16 matmuls are emulated and 3-7x slower than float32 ones (docs/performance.md).
+  The two paths differ by float rounding only, so tokens can depend on the batch size, as
+  with any reduced precision.
 """
 
 from __future__ import annotations
