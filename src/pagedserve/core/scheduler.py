@@ -252,9 +252,11 @@ class Scheduler:
         return out
 
     def observe_step(self, sched: SchedulerOutput) -> None:
-        """The step ``sched`` (the last ``schedule()``) is done: its time goes to StepCost."""
-        self.step_cost.observe(sched.num_decode_rows, sched.num_prefill_tokens,
-                               time.perf_counter() - self._step_start)
+        """The step ``sched`` (the last ``schedule()``) is done: its time goes to StepCost
+        (only under an ITL target, the one reader of StepCost)."""
+        if self.config.itl_target_ms:
+            self.step_cost.observe(sched.num_decode_rows, sched.num_prefill_tokens,
+                                   time.perf_counter() - self._step_start)
 
     def _schedule(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
