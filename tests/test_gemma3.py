@@ -36,8 +36,8 @@ def gemma():
     path = fetched_model_path("gemma3-270m")
     llm = LLM(str(path), dtype="float32", prefill_dtype="float32", kv_cache_memory=1 << 30)
     tok = llm.get_tokenizer()
-    prompts = [tok.encode(t) for t in SHORT] + [tok.encode(_long_text(s, 800)) for s in (3, 7)]
-    assert all(len(p) > 1000 for p in prompts[3:])
+    prompts = [tok.encode(t) for t in SHORT] + [tok.encode(_long_text(s, 400)) for s in (3, 7)]
+    assert all(len(p) > 700 for p in prompts[3:])
     return path, llm, prompts
 
 

@@ -168,9 +168,9 @@ def load_shape(model: str) -> ModelShape:
             raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
         return shape_from_hf_config(cfg, path.name)
     if path.is_file() and path.suffix == ".gguf":
-        from pagedserve.loader.gguf import _reader, read_gguf_config
+        from pagedserve.loader.gguf import gguf_config
 
-        return shape_from_model_config(read_gguf_config(_reader(path), path), path.stem)
+        return shape_from_model_config(gguf_config(path), path.stem)
     raise ValueError(f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}), an HF "
                      "directory or a .gguf file")
 

@@ -12,6 +12,7 @@ tokenizer.json (building it takes seconds).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -149,16 +150,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(reader, config: ModelConfig, path: Path
+def iter_gguf_weights(arch: str, tensors, config: ModelConfig, path: Path
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 tensors under transformers names. Raises ModelLoadError naming the
-    tensor that cannot be dequantized."""
+    """Dequantized float32 tensors under transformers names, from a reader's ``tensors`` of
+    a GGUF of architecture ``arch``. Raises ModelLoadError naming the tensor that cannot be
+    dequantized."""
     from gguf.quants import dequantize
 
-    arch = _field(reader, "general.architecture")
     permuted = ARCHITECTURES[arch][1]
     layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
-    for t in reader.tensors:
+    for t in tensors:
         if t.name == "rope_freqs.weight":
             continue
         m = _BLK_RE.fullmatch(t.name)
@@ -211,10 +212,31 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
     return tokenizer
 
 
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, size: int, mtime_ns: int) -> tuple[ModelConfig, str, tuple]:
+    """(config, architecture, tensors) of one version of a GGUF file, kept for the process:
+    the reader parses every metadata field, and a 262k-token vocabulary takes it ~10 s, which
+    a second engine on the same file (a test, a benchmark's peer run) need not pay again. The
+    tensors' data stay memory-mapped, not read; the parsed vocabulary is dropped."""
+    reader = _reader(Path(path))
+    config = read_gguf_config(reader, Path(path))
+    return config, _field(reader, "general.architecture"), tuple(reader.tensors)
+
+
+def gguf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a GGUF file (cached per path, size and mtime). Raises
+    ModelLoadError for an unreadable file or an unsupported architecture."""
+    return _parse(path)[0]
+
+
+def _parse(path: Path) -> tuple[ModelConfig, str, tuple]:
+    st = path.stat()
+    return _parsed(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
 def open_gguf(path: Path) -> ModelSource:
     from pagedserve.loader.fetched import cache_dir
 
-    reader = _reader(path)
-    config = read_gguf_config(reader, path)
-    return ModelSource(path, config, lambda: iter_gguf_weights(reader, config, path),
+    config, arch, tensors = _parse(path)
+    return ModelSource(path, config, lambda: iter_gguf_weights(arch, tensors, config, path),
                        lambda: load_gguf_tokenizer(path, cache_dir()))
