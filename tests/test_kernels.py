@@ -19,11 +19,12 @@ pytestmark = pytest.mark.skipif(NATIVE is None and kernels.os.environ.get(kernel
 @pytest.fixture(scope="module",
                 params=["native", pytest.param("portable", marks=pytest.mark.slow)])
 def ops(request):
-    """The kernels as the engine loads them (AVX-512 here), and built without AVX-512, so the
-    portable branch of the SIMD type (kernels/vec.h) is tested too."""
+    """The kernels as the engine loads them (AVX-512 or AVX2, as this CPU has), and built
+    without AVX-512 and AVX2, so the portable branches of the SIMD type (kernels/vec.h) are
+    tested too."""
     if request.param == "native":
         return NATIVE
-    flags = ("-mno-avx512f",)
+    flags = ("-mno-avx512f", "-mno-avx2")
     return kernels.build(kernels._build_name(flags), "pagedserve_portable", flags)
 
 
@@ -271,6 +272,50 @@ def test_int8_linear_matches_dequantized_float(ops, rows):
     with pytest.raises(RuntimeError, match="divisible by 32"):
         ops.int8_linear(torch.randn(1, 40), torch.zeros(2, 40, dtype=torch.int8),
                         torch.ones(2))
+
+
+def _q16_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int16 codes as float [M, K / 32, 32], scales [M, K / 32]): int4_linear's
+    activation rule, round(x * 32767 / max |x|) per group of 32."""
+    g = x.view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1)
+    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    return (g * inv[..., None]).round().clamp(-32767, 32767), amax / 32767
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 12])
+def test_int4_linear_matches_its_integer_reference(ops, rows):
+    """Int4Linear's groups (codes two a byte, a bfloat16 scale and zero per 32 columns) times
+    x quantized to int16 per group of 32, against the same arithmetic in torch (float64),
+    and within 1e-4 of F.linear with the weights dequantized in float32; 17 groups a row (no whole number
+    of vectors), rows past 4 in a second pass of the register tile, a zero group of x."""
+    from pagedserve.model.quant import Int4Linear
+
+    torch.manual_seed(5)
+    layer = Int4Linear.from_weight(torch.randn(70, 544), dense_dtype=torch.float32, ops=ops)
+    assert layer.codes.shape == (70, 272) and layer.scale_zero.shape == (70, 17, 2)
+    b = layer.codes.view(70, 17, 16)
+    codes = torch.stack([b & 15, b >> 4], 2).view(70, 17, 32).float()
+    scale, zero = layer.scale_zero[..., 0].float(), layer.scale_zero[..., 1].float()
+    x = torch.randn(rows, 544)
+    x[0, 32:64] = 0
+    xq, xs = _q16_groups(x)
+    # [rows, 70]: sum over groups of scale * xs * (codes - 8) . xq + zero * sum x
+    expect = (torch.einsum("ngk,mgk->mng", (codes - 8).double(), xq.double())
+              * scale.double() * xs[:, None, :].double()
+              + zero.double() * x.view(rows, 1, 17, 32).sum(-1).double()).sum(-1).float()
+    got = ops.int4_linear(x, layer.codes, layer.scale_zero)
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-3)  # float32 sums of ~1e3
+    weight = ((codes - 8) * scale[..., None] + zero[..., None]).view(70, 544)
+    exact = F.linear(x, weight)
+    assert (got - exact).norm() < 1e-4 * exact.norm()  # x's rounding: ~2^-16
+    assert torch.equal(layer(x), ops.int4_linear(x.bfloat16().float(), layer.codes,
+                                                 layer.scale_zero).bfloat16().float())
+    with pytest.raises(RuntimeError, match="divisible by 32"):
+        ops.int4_linear(torch.randn(1, 40), torch.zeros(2, 20, dtype=torch.uint8),
+                        torch.ones(2, 1, 2, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="scale_zero"):
+        ops.int4_linear(x, layer.codes, layer.scale_zero.float())
 
 
 @pytest.mark.parametrize("shape", [(1, 96, 48), (3, 96, 100), (9, 40, 7), (17, 64, 145),

@@ -790,7 +790,7 @@ VEC_INLINE F32x16 load_codes(const uint8_t* row, int64_t i) {  // values i .. i 
   else if constexpr (KIND == 1)
     return F32x16::load_fp8(row + i);
   else
-    return F32x16::load_int4(row + i / 2);
+    return load_int4(row + i / 2);
 }
 
 // scores[r][t] = q[r] . codes_t for R query rows q (each d floats, ``q_stride`` apart) and

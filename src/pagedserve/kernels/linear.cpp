@@ -1,7 +1,10 @@
-// Matmuls: int8_linear (the int4 mode's Q8_0 LM head) and packed_linear (float32 over
-// weights prepacked in column panels, with the gated SwiGLU epilogue).
+// Matmuls: int8_linear (the int4 mode's Q8_0 LM head), int4_linear (the int4 mode's decoder
+// projections at decode's few rows) and packed_linear (float32 over weights prepacked in
+// column panels, with the gated SwiGLU epilogue).
 #include "ops.h"
 #include "common.h"
+
+#include <vector>
 
 namespace OPS_NAMESPACE {
 
@@ -64,6 +67,106 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
   Tensor out = at::empty({m, n}, xc.options());
   int8_linear_rows(xc.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                    out.data_ptr<float>(), m, k, n);
+  return out;
+}
+
+// ---- int4_linear: x @ W.T for W in 4-bit groups (model/quant.py Int4Linear) ----
+//
+// W [N, K] is held as codes uint8 [N, K / 2] (per group of 32 channels, 16 bytes: channel i in
+// byte i's low nibble, channel 16 + i in its high one) and bfloat16 (scale, zero) pairs
+// [N, K / 32, 2]: w = (q - 8) * scale + zero. x is quantized per call to int16 with one float
+// scale per row and group, x ~= xs * xq (xs = max |x| / 32767: a relative error near 2^-16,
+// below the bfloat16 rounding the int4 mode's activations already carry; int8, as in
+// llama.cpp's Q8 activations, measured 3-4x that rounding on SmolLM2 and changed most greedy
+// answers), so a group's dot product is integer arithmetic (vpmaddwd on AVX2):
+//   sum_k w_k x_k ~= scale * xs * (sum_k q_k xq_k - 8 sum_k xq_k) + zero * sum_k x_k,
+// the last sum exact. The codes of a weight row are unpacked once per block of INT4_ROWS
+// rows of x.
+constexpr int INT4_ROWS = 4;
+
+template <int R>
+void int4_tile(const int16_t* xq, const float* xscale, const float* xsum, const float* xqsum,
+               const uint8_t* codes,
+               const at::BFloat16* scale_zero, float* out, int64_t ldo, int64_t k,
+               int64_t begin, int64_t end) {
+  const int64_t groups = k / 32;
+  for (int64_t row = begin; row < end; ++row) {
+    const uint8_t* c = codes + row * (k / 2);
+    const at::BFloat16* sz = scale_zero + row * groups * 2;
+    Q4Acc acc[R];
+    float shifted[R];
+    for (int j = 0; j < R; ++j) acc[j] = Q4Acc::zero(), shifted[j] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const Q4Group w = Q4Group::load(c + 16 * g);
+      const float scale = static_cast<float>(sz[2 * g]), zero = static_cast<float>(sz[2 * g + 1]);
+      for (int j = 0; j < R; ++j) {
+        const int64_t i = j * groups + g;
+        acc[j].add(w, xq + j * k + 32 * g, scale * xscale[i]);
+        // explicit fmas: left to contraction, tiles of different R fused them differently
+        // and a row's result depended on how many rows shared its step
+        shifted[j] = std::fma(zero, xsum[i], std::fma(-8.f * scale, xqsum[i], shifted[j]));
+      }
+    }
+    for (int j = 0; j < R; ++j) out[j * ldo + row] = acc[j].total() + shifted[j];
+  }
+}
+
+// One group of 32 floats -> int16 codes q = round(x * 32767 / max |x|) (0 for an all-zero
+// group); returns the scale max |x| / 32767 and sets *qsum = scale * sum q.
+inline float quantize_group_q16(const float* x, int16_t* q, float* qsum) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  int32_t total = 0;
+  for (int i = 0; i < 32; ++i) {  // fmin/fmax: a NaN gives a code, not undefined behaviour
+    q[i] = static_cast<int16_t>(
+        std::fmax(-32767.f, std::fmin(32767.f, std::nearbyint(x[i] * inv))));
+    total += q[i];
+  }
+  *qsum = amax / 32767.f * static_cast<float>(total);
+  return amax / 32767.f;
+}
+
+// x [M, K] float32 @ W.T -> [M, N] float32 for W given as codes uint8 [N, K / 2] and
+// scale_zero bfloat16 [N, K / 32, 2] (see int4_tile; K a multiple of 32).
+Tensor int4_linear(const Tensor& x, const Tensor& codes, const Tensor& scale_zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
+              "int4_linear: x must be float32 [M, K], K divisible by 32");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) * 2 == k,
+              "int4_linear: codes must be contiguous uint8 [N, K / 2]");
+  const int64_t n = codes.size(0);
+  TORCH_CHECK(scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
+                  scale_zero.numel() == n * (k / 32) * 2,
+              "int4_linear: scale_zero must be contiguous bfloat16 [N, K / 32, 2]");
+  Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t groups = k / 32;
+  std::vector<int16_t> xq(m * k);
+  std::vector<float> xscale(m * groups), xsum(m * groups), xqsum(m * groups);
+  for (int64_t i = 0; i < m * groups; ++i) {
+    xscale[i] = quantize_group_q16(xp + 32 * i, xq.data() + 32 * i, &xqsum[i]);
+    xsum[i] = sum(xp + 32 * i, 32);
+  }
+  Tensor out = at::empty({m, n}, xc.options());
+  float* o = out.data_ptr<float>();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const at::BFloat16* sz = scale_zero.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += INT4_ROWS) {
+      const int16_t* q = xq.data() + r0 * k;
+      const float* xs = xscale.data() + r0 * groups;
+      const float* su = xsum.data() + r0 * groups;
+      const float* qs = xqsum.data() + r0 * groups;
+      switch (std::min<int64_t>(INT4_ROWS, m - r0)) {
+        case 4: int4_tile<4>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+        case 3: int4_tile<3>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+        case 2: int4_tile<2>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+        default: int4_tile<1>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+      }
+    }
+  });
   return out;
 }
 

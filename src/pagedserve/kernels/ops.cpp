@@ -16,6 +16,7 @@ TORCH_LIBRARY(OPS_NAMESPACE, m) {
   m.def("silu_and_mul(Tensor x, ScalarType out_dtype) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scale_zero) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n, "
         "Tensor(a!)? out_buffer=None, bool gated=False) -> Tensor(a)");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
@@ -42,6 +43,7 @@ TORCH_LIBRARY_IMPL(OPS_NAMESPACE, CPU, m) {
   m.impl("silu_and_mul", &OPS_NAMESPACE::silu_and_mul);
   m.impl("argmax", &OPS_NAMESPACE::argmax);
   m.impl("int8_linear", &OPS_NAMESPACE::int8_linear);
+  m.impl("int4_linear", &OPS_NAMESPACE::int4_linear);
   m.impl("packed_linear", &OPS_NAMESPACE::packed_linear);
   m.impl("rotary_write_kv", &OPS_NAMESPACE::rotary_write_kv);
   m.impl("paged_decode_attention", &OPS_NAMESPACE::paged_decode_attention);

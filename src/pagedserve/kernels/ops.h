@@ -47,6 +47,7 @@ Tensor paged_decode_attention_quant(const Tensor& q, const Tensor& k_codes,
                                     at::ScalarType out_dtype, int64_t window, int64_t kind);
 Tensor argmax(const Tensor& x);
 Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales);
+Tensor int4_linear(const Tensor& x, const Tensor& codes, const Tensor& scale_zero);
 Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
                      int64_t n, const std::optional<Tensor>& out_buffer, bool gated);
 

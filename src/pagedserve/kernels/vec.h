@@ -23,6 +23,16 @@
 
 namespace OPS_NAMESPACE {
 
+#if defined(__AVX2__)
+// 8 bytes of int4 codes (channel 2i in byte i's low nibble, 2i + 1 in its high one) as 16
+// bytes, one code each, in channel order
+VEC_INLINE __m128i unpack_nibbles(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+}
+#endif
+
 #if defined(__AVX512F__)
 
 struct F32x16 {
@@ -51,13 +61,9 @@ struct F32x16 {
     return {_mm512_mul_ps(_mm512_castsi512_ps(x), _mm512_set1_ps(0x1p120f))};
   }
   // 16 int4 codes from 8 bytes (channel 2i in byte i's low nibble, 2i + 1 in its high one),
-  // as float code - 8
-  static VEC_INLINE F32x16 load_int4(const uint8_t* p) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-    return {_mm512_sub_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(8.f))};
+  // as float code (0 .. 15)
+  static VEC_INLINE F32x16 load_uint4(const uint8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(unpack_nibbles(p)))};
   }
   VEC_INLINE void store(float* p) const { _mm512_storeu_ps(p, v); }
   // the first n lanes only (none for n <= 0)
@@ -156,13 +162,22 @@ struct F32x16 {
     }
     return load(lanes);
   }
-  static VEC_INLINE F32x16 load_int4(const uint8_t* p) {
+  static VEC_INLINE F32x16 load_uint4(const uint8_t* p) {
+#if defined(__AVX2__)  // GCC leaves the nibbles' widening scalar too
+    const __m128i b = unpack_nibbles(p);
+    F32x16 r;
+    r.v[0] = reinterpret_cast<PartF32>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+    r.v[1] = reinterpret_cast<PartF32>(
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+    return r;
+#else
     float lanes[16];
     for (int l = 0; l < 8; ++l) {
-      lanes[2 * l] = static_cast<float>(p[l] & 15) - 8.f;
-      lanes[2 * l + 1] = static_cast<float>(p[l] >> 4) - 8.f;
+      lanes[2 * l] = static_cast<float>(p[l] & 15);
+      lanes[2 * l + 1] = static_cast<float>(p[l] >> 4);
     }
     return load(lanes);
+#endif
   }
   VEC_INLINE void store(float* p) const {
     for (int j = 0; j < VEC_PARTS; ++j) __builtin_memcpy(p + j * VEC_PART, &v[j], sizeof v[j]);
@@ -215,6 +230,62 @@ struct F32x16 {
 };
 
 #endif
+
+// 16 int4 codes (see load_uint4) as float code - 8, the signed value of a symmetric code
+VEC_INLINE F32x16 load_int4(const uint8_t* p) {
+  return F32x16::load_uint4(p) + F32x16::set1(-8.f);
+}
+
+// One group of 32 4-bit codes, widened to int16, for int4 x int16 dot products (int4_linear):
+// from 16 bytes, code i in byte i's low nibble and code 16 + i in its high one.
+struct Q4Group {
+#if defined(__AVX2__)
+  __m256i lo, hi;  // codes 0 .. 15 and 16 .. 31
+  static VEC_INLINE Q4Group load(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return {_mm256_cvtepu8_epi16(_mm_and_si128(b, low)),
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low))};
+  }
+#else
+  int16_t v[32];
+  static VEC_INLINE Q4Group load(const uint8_t* p) {
+    Q4Group g;
+    for (int i = 0; i < 16; ++i) g.v[i] = p[i] & 15, g.v[16 + i] = p[i] >> 4;
+    return g;
+  }
+#endif
+};
+
+// Float lanes whose total is a sum of scaled int4 x int16 group dot products (int4_linear).
+struct Q4Acc {
+#if defined(__AVX2__)
+  __m256 v;
+  static VEC_INLINE Q4Acc zero() { return {_mm256_setzero_ps()}; }
+  // += scale * sum_i g_i * x_i for 32 int16 x: vpmaddwd's pairs of int16 products summed to
+  // int32 (at most 32 * 15 * 32767 in all, no overflow)
+  VEC_INLINE void add(const Q4Group& g, const int16_t* x, float scale) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(g.lo, x0), _mm256_madd_epi16(g.hi, x1));
+    v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), v);
+  }
+  VEC_INLINE float total() const {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  }
+#else
+  float v;
+  static VEC_INLINE Q4Acc zero() { return {0.f}; }
+  VEC_INLINE void add(const Q4Group& g, const int16_t* x, float scale) {
+    int32_t dot = 0;
+    for (int i = 0; i < 32; ++i) dot += static_cast<int32_t>(g.v[i]) * x[i];
+    v += static_cast<float>(dot) * scale;
+  }
+  VEC_INLINE float total() const { return v; }
+#endif
+};
 
 // Calls f(i, 16) for each whole vector of [0, n) and f(i, n - i) for the tail, if any: written
 // with the partial loads and stores, f's body serves both, and on whole vectors (a constant

@@ -171,7 +171,7 @@ class LinearOptions:
         """A projection of the chosen kind; ``gated`` marks a SwiGLU gate|up projection
         (its SwiGLU then runs in the packed kernel's epilogue)."""
         if self.quantization is not None:
-            return Int4Linear(in_features, out_features, bias)
+            return Int4Linear(in_features, out_features, bias, ops=self.ops)
         if self.ops is not None and self.pack:
             return PackedLinear(in_features, out_features, bias, self.ops, gated, self.state)
         return Linear(in_features, out_features, bias)

@@ -55,9 +55,10 @@ class Int4Linear(Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dense_dtype: torch.dtype | None = None):
+                 dense_dtype: torch.dtype | None = None, ops=None):
         """``dense_dtype``: the dequantized copy's dtype (default: bfloat16, or float32 on a
-        CPU without a bfloat16 matmul unit when the weights are on the CPU)."""
+        CPU without a bfloat16 matmul unit when the weights are on the CPU). ``ops``: the CPU
+        kernels (pagedserve.kernels), whose ``int4_linear`` then serves the few-row path."""
         if bias:
             raise ValueError("quantization='int4' does not support linear layers with a bias")
         if in_features % GROUP_SIZE:
@@ -66,13 +67,16 @@ class Int4Linear(Linear):
         super().__init__(in_features, out_features)
         self.register_buffer("dense", None, persistent=False)
         self.packed = self.scales_and_zeros = None
+        self.codes = self.scale_zero = None  # the CPU kernel's form (see finish_loading)
         self.dense_dtype = dense_dtype
+        self.ops = ops
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, dense_dtype: torch.dtype | None = None
-                    ) -> Int4Linear:
+    def from_weight(cls, weight: torch.Tensor, dense_dtype: torch.dtype | None = None,
+                    ops=None) -> Int4Linear:
         """An Int4Linear holding ``weight`` [out, in] quantized."""
-        layer = cls(weight.shape[1], weight.shape[0], dense_dtype=dense_dtype).to(weight.device)
+        layer = cls(weight.shape[1], weight.shape[0], dense_dtype=dense_dtype,
+                    ops=ops).to(weight.device)
         layer.weight.data = weight.detach().float()
         layer.finish_loading()
         return layer
@@ -93,24 +97,40 @@ class Int4Linear(Linear):
                 else torch.bfloat16
         # bfloat16 values either way: float32 only holds them for float32 matmuls
         self.dense = ((q - 8) * s + z).to(torch.bfloat16).to(dtype)
-        if w.device.type == "cpu" and n % 16 == 0:  # the kernel's layout needs n % 16 == 0
+        if w.device.type == "cpu" and self.ops is not None:
+            # int4_linear's form: per group of 32, channel i in byte i's low nibble and
+            # 16 + i in its high one; (scale, zero) per row and group
+            g = q.view(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
+            self.codes = (g[:, :, 0] | (g[:, :, 1] << 4)).to(torch.uint8).view(n, k // 2)
+            self.scale_zero = sz.transpose(0, 1).contiguous()
+        elif w.device.type == "cpu" and n % 16 == 0:  # torch's layout needs n % 16 == 0
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales_and_zeros = sz
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
-        if self.packed is not None and xb.dim() == 2 and xb.shape[0] <= SMALL_ROWS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE,
-                                                           self.scales_and_zeros)
+        rows = xb.numel() // self.in_features
+        if rows <= SMALL_ROWS and (self.codes is not None or self.packed is not None):
+            flat = xb.reshape(rows, self.in_features)  # [batch, 1, in] (HF's decode) too
+            if self.codes is not None:
+                y = self.ops.int4_linear(flat.float(), self.codes, self.scale_zero)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE,
+                                                               self.scales_and_zeros)
+            y = y.view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(xb.to(self.dense.dtype), self.dense)
-        return y.to(x.dtype)
+        # rounded to bfloat16 on every path (torch's kernel returns it): a layer's result is
+        # then the same whatever the caller's dtype (the engine's bfloat16 activations, a
+        # float32 reference model)
+        return y.bfloat16().to(x.dtype)
 
     def nbytes(self) -> int:
         """Bytes held: the packed weights, scales and offsets, and the dequantized copy."""
         return sum(t.numel() * t.element_size()
-                   for t in (self.packed, self.scales_and_zeros, self.dense) if t is not None)
+                   for t in (self.packed, self.scales_and_zeros, self.codes, self.scale_zero,
+                             self.dense) if t is not None)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
