@@ -1,5 +1,5 @@
 """The int4 mode's few-row matmuls (decode of up to ``quant.SMALL_ROWS`` sequences): the CPU
-kernel ``int4_linear`` (activations rounded to int8 per group of 32, integer dot products)
+kernel ``int4_linear`` (activations as int16 per group of 32, integer dot products)
 against torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations), on SmolLM2-135M-
 Instruct in one process, against exact float32.
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--out", default=results_path("int4-decode.json"))
     args = ap.parse_args()
     configs = {"float32": {}, "int4, torch kernel (bf16 activations)": {"quantization": "int4"},
-               "int4, int4_linear (int8 activations)": {"quantization": "int4"}}
+               "int4, int4_linear (int16 activations)": {"quantization": "int4"}}
     engines, rows = {}, {}
     for name, options in configs.items():
         llm = LLM(None, **options, kv_cache_memory=1 << 30, max_model_len=2048,

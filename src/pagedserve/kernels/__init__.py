@@ -13,7 +13,8 @@ themselves go to ``packed_linear``: float32 weights prepacked once into 48-colum
 (model/layers.py PackedLinear). At decode's few rows this beats MKL's sgemm, which packs the
 weight into its own layout inside every call (docs/performance.md); for the MLP's gate|up weight
 (``gated=True``) SwiGLU is its epilogue, in place of ``silu_and_mul``. Two more serve the LM
-head and the sampler: ``int8_linear`` (the int4 mode's Q8_0 LM head) and ``argmax``.
+head and the sampler: ``int8_linear`` (the int4 mode's Q8_0 LM head) and ``argmax``;
+``int4_linear`` serves the int4 mode's projections at decode's few rows.
 Invariants:
 
 - The torch code in model/ and attention/ stays the reference and the fallback: the kernels

@@ -9,21 +9,24 @@ Q4_1), the projections read about 60 MB. Invariants:
   and maximum are exact up to the bfloat16 rounding of scale and offset: a model read from a
   Q4_1 GGUF (``d * q + m``, which spans q = 0..15 in every group) is re-packed losslessly but
   for that rounding. Other sources are quantized (error <= scale / 2 per weight).
-- Matmul inputs are rounded to bfloat16 and the outputs come back in the model's dtype; the
-  residual stream, norms, attention, KV cache and embedding keep the model's dtype.
+- Matmul inputs are rounded to bfloat16, and so are the outputs on every path, which then
+  come back in the caller's dtype: one result whatever that dtype. The residual stream, norms,
+  attention, KV cache and embedding keep the model's dtype.
 - With the CPU kernels, the LM head (the largest matrix a decode step reads: 113 MB in
   float32) also gets an 8-bit copy (model/layers.py LMHead): int8 with a float32 scale per
   group of 32 (GGUF's Q8_0, the type of the default model's own token_embd), used for up to
   ``SMALL_ROWS`` rows through the fused CPU kernel ``int8_linear``; a Q8_0 source is
   re-packed exactly. The embedding lookup and larger batches keep the float32 table.
-- Up to ``SMALL_ROWS`` rows (decode of a few sequences) run torch's CPU int4 kernel
-  (``_weight_int4pack_mm_for_cpu``, for out_features divisible by 16), which reads the packed
-  weights; larger batches, other shapes and other devices multiply by a bfloat16 copy of the
-  same dequantized weights, which is faster there. A CPU without a bfloat16 matmul unit
-  (``cpu.matrix_unit() == "none"``, e.g. AVX2 only) keeps that copy in float32 instead: its
-  bfloat16 matmuls are emulated and 3-7x slower than float32 ones (docs/performance.md).
-  The two paths differ by float rounding only, so tokens can depend on the batch size, as
-  with any reduced precision.
+- Up to ``SMALL_ROWS`` rows (decode of a few sequences) read the packed codes: with the CPU
+  kernels through ``int4_linear`` (kernels/linear.cpp: activations rounded to int16 per group
+  of 32, integer dot products, the group offset times the exact activation sum), else
+  through torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``, for out_features
+  divisible by 16). Larger batches, other shapes and other devices multiply by a bfloat16
+  copy of the same dequantized weights, which is faster there. A CPU without a bfloat16
+  matmul unit (``cpu.matrix_unit() == "none"``, e.g. AVX2 only) keeps that copy in float32
+  instead: its bfloat16 matmuls are emulated and 3-7x slower than float32 ones
+  (docs/performance.md). The paths differ by float rounding only, so tokens can depend on the
+  batch size, as with any reduced precision.
 """
 
 from __future__ import annotations
