@@ -353,8 +353,8 @@ class OpenAIServing:
         prompts = _completion_prompts(body.prompt)
         max_tokens = body.max_tokens
         if max_tokens is not None and max_tokens < 0:
-            raise APIError(400, f"max_tokens must be at least 0, got {max_tokens}",
-                           param="max_tokens")
+            raise APIError(400, f"max_tokens must be at least 1 (0 is allowed only with "
+                           f"echo), got {max_tokens}", param="max_tokens")
         if max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo)",
                            param="max_tokens")
