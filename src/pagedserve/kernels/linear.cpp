@@ -102,8 +102,8 @@ void int4_tile(const int16_t* xq, const float* xscale, const float* xsum, const 
       for (int j = 0; j < R; ++j) {
         const int64_t i = j * groups + g;
         acc[j].add(w, xq + j * k + 32 * g, scale * xscale[i]);
-        // explicit fmas: left to contraction, tiles of different R fused them differently
-        // and a row's result depended on how many rows shared its step
+        // explicit fmas, not left to contraction: tiles of different R may not then fuse
+        // differently, and a row's result stays the same whatever rows share its call
         shifted[j] = std::fma(zero, xsum[i], std::fma(-8.f * scale, xqsum[i], shifted[j]));
       }
     }
