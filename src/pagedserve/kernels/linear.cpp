@@ -77,8 +77,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
 // [N, K / 32, 2]: w = (q - 8) * scale + zero. x is quantized per call to int16 with one float
 // scale per row and group, x ~= xs * xq (xs = max |x| / 32767: a relative error near 2^-16,
 // below the bfloat16 rounding the int4 mode's activations already carry; int8, as in
-// llama.cpp's Q8 activations, measured 3-4x that rounding on SmolLM2 and changed most greedy
-// answers), so a group's dot product is integer arithmetic (vpmaddwd on AVX2):
+// llama.cpp's Q8 activations, measured once 3-4x that rounding on SmolLM2: docs/performance.md),
+// so a group's dot product is integer arithmetic (vpmaddwd on AVX2):
 //   sum_k w_k x_k ~= scale * xs * (sum_k q_k xq_k - 8 sum_k xq_k) + zero * sum_k x_k,
 // the last sum exact. The codes of a weight row are unpacked once per block of INT4_ROWS
 // rows of x.
