@@ -352,12 +352,9 @@ class OpenAIServing:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = _completion_prompts(body.prompt)
         max_tokens = body.max_tokens
-        if max_tokens is not None and max_tokens < 0:
+        if max_tokens is not None and (max_tokens < 0 or max_tokens == 0 and not body.echo):
             raise APIError(400, f"max_tokens must be at least 1 (0 is allowed only with "
                            f"echo), got {max_tokens}", param="max_tokens")
-        if max_tokens == 0 and not body.echo:
-            raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo)",
-                           param="max_tokens")
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported",
                            param="logprobs")
