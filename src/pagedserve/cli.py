@@ -431,7 +431,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 BENCHMARKS = {"throughput": "throughput.py", "serve": "serving.py", "prefix": "prefix_sharing.py",
               "sharing": "sharing.py", "kv-util": "kv_utilization.py", "kv-quant": "kv_quant.py",
-              "roofline": "roofline.py", "kernels": "kernels.py", "dtype": "dtype_choice.py",
+              "roofline": "roofline.py", "kernels": "fused_kernels.py", "dtype": "dtype_choice.py",
               "structured": "structured_outputs.py", "speculative": "speculative.py",
               "serve-peers": "serving_peers.py", "shared-cores": "shared_cores.py",
               "long-prompt": "long_prompt_latency.py"}

@@ -7,8 +7,8 @@ sampler's torch argmax), in interleaved rounds, best of ``--rounds``.
 For float32 and ``quantization="int4"``: decode tokens/s at 1, 8, 32, 64 and 128 sequences
 (64-token prompts, prefill excluded, as roofline.py), and the ratios.
 
-    python benchmarks/kernels.py
-    python benchmarks/kernels.py --quantization none --batches 1 64
+    python benchmarks/fused_kernels.py
+    python benchmarks/fused_kernels.py --quantization none --batches 1 64
 """
 
 from __future__ import annotations
