@@ -309,8 +309,15 @@ def test_int4_linear_matches_its_integer_reference(ops, rows):
     weight = ((codes - 8) * scale[..., None] + zero[..., None]).view(70, 544)
     exact = F.linear(x, weight)
     assert (got - exact).norm() < 1e-4 * exact.norm()  # x's rounding: ~2^-16
-    assert torch.equal(layer(x), ops.int4_linear(x.bfloat16().float(), layer.codes,
-                                                 layer.scale_zero).bfloat16().float())
+    # bfloat16 in: the same product of the same values, returned rounded to bfloat16 (how
+    # Int4Linear calls it, for float32 callers too)
+    xb = x.bfloat16()
+    from_bf16 = ops.int4_linear(xb, layer.codes, layer.scale_zero)
+    assert from_bf16.dtype == torch.bfloat16
+    assert torch.equal(from_bf16, ops.int4_linear(xb.float(), layer.codes,
+                                                  layer.scale_zero).bfloat16())
+    assert torch.equal(layer(x), from_bf16.float())
+    assert torch.equal(layer(xb), from_bf16)
     with pytest.raises(RuntimeError, match="divisible by 32"):
         ops.int4_linear(torch.randn(1, 40), torch.zeros(2, 20, dtype=torch.uint8),
                         torch.ones(2, 1, 2, dtype=torch.bfloat16))

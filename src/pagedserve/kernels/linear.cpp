@@ -84,10 +84,10 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
 // rows of x.
 constexpr int INT4_ROWS = 4;
 
-template <int R>
+template <int R, typename OutT>
 void int4_tile(const int16_t* xq, const float* xscale, const float* xsum, const float* xqsum,
                const uint8_t* codes,
-               const at::BFloat16* scale_zero, float* out, int64_t ldo, int64_t k,
+               const at::BFloat16* scale_zero, OutT* out, int64_t ldo, int64_t k,
                int64_t begin, int64_t end) {
   const int64_t groups = k / 32;
   for (int64_t row = begin; row < end; ++row) {
@@ -107,7 +107,8 @@ void int4_tile(const int16_t* xq, const float* xscale, const float* xsum, const 
         shifted[j] = std::fma(zero, xsum[i], std::fma(-8.f * scale, xqsum[i], shifted[j]));
       }
     }
-    for (int j = 0; j < R; ++j) out[j * ldo + row] = acc[j].total() + shifted[j];
+    for (int j = 0; j < R; ++j)
+      out[j * ldo + row] = static_cast<OutT>(acc[j].total() + shifted[j]);
   }
 }
 
@@ -127,11 +128,13 @@ inline float quantize_group_q16(const float* x, int16_t* q, float* qsum) {
   return amax / 32767.f;
 }
 
-// x [M, K] float32 @ W.T -> [M, N] float32 for W given as codes uint8 [N, K / 2] and
-// scale_zero bfloat16 [N, K / 32, 2] (see int4_tile; K a multiple of 32).
+// x [M, K] float32 or bfloat16 @ W.T -> [M, N] of x's dtype (a bfloat16 result is the float
+// one rounded to nearest even, as torch rounds), for W given as codes uint8 [N, K / 2] and
+// scale_zero bfloat16 [N, K / 32, 2] (see int4_tile; K a multiple of 32). Taking and giving
+// bfloat16 spares the int4 mode's activations two conversions a projection.
 Tensor int4_linear(const Tensor& x, const Tensor& codes, const Tensor& scale_zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
-              "int4_linear: x must be float32 [M, K], K divisible by 32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0,
+              "int4_linear: x must be [M, K], K divisible by 32");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.size(1) * 2 == k,
@@ -141,31 +144,36 @@ Tensor int4_linear(const Tensor& x, const Tensor& codes, const Tensor& scale_zer
                   scale_zero.numel() == n * (k / 32) * 2,
               "int4_linear: scale_zero must be contiguous bfloat16 [N, K / 32, 2]");
   Tensor xc = x.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  const int64_t groups = k / 32;
-  std::vector<int16_t> xq(m * k);
-  std::vector<float> xscale(m * groups), xsum(m * groups), xqsum(m * groups);
-  for (int64_t i = 0; i < m * groups; ++i) {
-    xscale[i] = quantize_group_q16(xp + 32 * i, xq.data() + 32 * i, &xqsum[i]);
-    xsum[i] = sum(xp + 32 * i, 32);
-  }
   Tensor out = at::empty({m, n}, xc.options());
-  float* o = out.data_ptr<float>();
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const at::BFloat16* sz = scale_zero.data_ptr<at::BFloat16>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += INT4_ROWS) {
-      const int16_t* q = xq.data() + r0 * k;
-      const float* xs = xscale.data() + r0 * groups;
-      const float* su = xsum.data() + r0 * groups;
-      const float* qs = xqsum.data() + r0 * groups;
-      switch (std::min<int64_t>(INT4_ROWS, m - r0)) {
-        case 4: int4_tile<4>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
-        case 3: int4_tile<3>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
-        case 2: int4_tile<2>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
-        default: int4_tile<1>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
-      }
+  dispatch(xc.scalar_type(), "int4_linear", [&](auto t) {
+    using T = decltype(t);
+    const T* xp = xc.data_ptr<T>();
+    const int64_t groups = k / 32;
+    std::vector<int16_t> xq(m * k);
+    std::vector<float> xscale(m * groups), xsum(m * groups), xqsum(m * groups);
+    float group[32];
+    for (int64_t i = 0; i < m * groups; ++i) {
+      for (int j = 0; j < 32; ++j) group[j] = static_cast<float>(xp[32 * i + j]);
+      xscale[i] = quantize_group_q16(group, xq.data() + 32 * i, &xqsum[i]);
+      xsum[i] = sum(group, 32);
     }
+    T* o = out.data_ptr<T>();
+    const uint8_t* c = codes.data_ptr<uint8_t>();
+    const at::BFloat16* sz = scale_zero.data_ptr<at::BFloat16>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r0 = 0; r0 < m; r0 += INT4_ROWS) {
+        const int16_t* q = xq.data() + r0 * k;
+        const float* xs = xscale.data() + r0 * groups;
+        const float* su = xsum.data() + r0 * groups;
+        const float* qs = xqsum.data() + r0 * groups;
+        switch (std::min<int64_t>(INT4_ROWS, m - r0)) {
+          case 4: int4_tile<4>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+          case 3: int4_tile<3>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+          case 2: int4_tile<2>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+          default: int4_tile<1>(q, xs, su, qs, c, sz, o + r0 * n, n, k, begin, end); break;
+        }
+      }
+    });
   });
   return out;
 }

@@ -112,16 +112,18 @@ class Int4Linear(Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= SMALL_ROWS and self.codes is not None:
+            # bfloat16 in and out, so the engine's bfloat16 activations need no conversion;
+            # [batch, 1, in] (HF's decode) too
+            flat = x.reshape(rows, self.in_features).bfloat16()
+            y = self.ops.int4_linear(flat, self.codes, self.scale_zero)
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         xb = x.to(torch.bfloat16)
-        rows = xb.numel() // self.in_features
-        if rows <= SMALL_ROWS and (self.codes is not None or self.packed is not None):
-            flat = xb.reshape(rows, self.in_features)  # [batch, 1, in] (HF's decode) too
-            if self.codes is not None:
-                y = self.ops.int4_linear(flat.float(), self.codes, self.scale_zero)
-            else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE,
-                                                               self.scales_and_zeros)
-            y = y.view(*x.shape[:-1], self.out_features)
+        if rows <= SMALL_ROWS and self.packed is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb.reshape(rows, self.in_features), self.packed, GROUP_SIZE,
+                self.scales_and_zeros).view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(xb.to(self.dense.dtype), self.dense)
         # rounded to bfloat16 on every path (torch's kernel returns it): a layer's result is
