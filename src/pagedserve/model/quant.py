@@ -114,8 +114,11 @@ class Int4Linear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows <= SMALL_ROWS and self.codes is not None:
-            # bfloat16 in and out, so the engine's bfloat16 activations need no conversion;
-            # [batch, 1, in] (HF's decode) too
+            # bfloat16 in and out: the engine's [T, in] bfloat16 activations go as they are
+            # (at one row a step, each avoided view or conversion is a measurable share);
+            # [batch, 1, in] (HF's decode) and float32 callers are reshaped and converted
+            if x.dim() == 2 and x.dtype == torch.bfloat16:
+                return self.ops.int4_linear(x, self.codes, self.scale_zero)
             flat = x.reshape(rows, self.in_features).bfloat16()
             y = self.ops.int4_linear(flat, self.codes, self.scale_zero)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
