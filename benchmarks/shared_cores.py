@@ -1,11 +1,18 @@
-"""Decode on shared cores: single-sequence and 16-sequence decode tokens/s, quiet and with busy
-loops (``python -c 'while 1: pass'``) beside the engine on the same cores, under OpenMP wait
-settings: libgomp's default spin (300,000 spins before sleeping: ``GOMP_SPINCOUNT=300000``),
-pagedserve's default (``pagedserve.cpu.SPIN_COUNT``, set on import) and
-``OMP_WAIT_POLICY=PASSIVE`` (sleep at once). libgomp reads these when torch loads, so each
-setting runs in its own process; settings alternate round by round.
+"""Decode and prefill on shared cores: decode tokens/s of 1, 16 and 64 sequences and prefill
+tokens/s (256-token prompts), quiet and with busy loops (``python -c 'while 1: pass'``) beside
+the engine on the same cores, under OpenMP wait settings: libgomp's default spin (300,000 spins
+before sleeping: ``GOMP_SPINCOUNT=300000``), pagedserve's default (``pagedserve.cpu.SPIN_COUNT``,
+set on import, and the contention guard) and ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once).
+libgomp reads these when torch loads, so each setting runs in its own process; settings
+alternate round by round. ``--baseline-src`` adds an older checkout's default as one more
+setting.
 
-    python benchmarks/shared_cores.py [--busy 2] [--rounds 2]
+``--rows-sweep`` instead measures what the contention guard's ``ROWS`` rests on: beside the
+busy loops, with the guard off, decode of 8 to 64 sequences and prefill on one thread against
+all threads under the spin throttle, alternating round by round in one process.
+
+    python benchmarks/shared_cores.py [--busy 2] [--rounds 2] [--baseline-src ../old-worktree]
+    python benchmarks/shared_cores.py --rows-sweep [--rounds 3]
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -27,11 +35,13 @@ SETTINGS = {"libgomp default (300,000 spins)": {"GOMP_SPINCOUNT": "300000"},
             "GOMP_SPINCOUNT=100": {"GOMP_SPINCOUNT": "100"},
             "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"}}
 DEFAULT_SETTINGS = list(SETTINGS)[:3]
+BATCHES = (1, 16, 64)
+MEASURES = [f"batch {b}" for b in BATCHES] + ["prefill"]
 
 
 def child(busy: int) -> None:
-    """One setting: decode rates quiet, then beside ``busy`` busy loops; prints JSON."""
-    from common import commit_kv_cache, decode_rate
+    """One setting: the rates quiet, then beside ``busy`` busy loops; prints JSON."""
+    from common import commit_kv_cache, decode_rate, prefill_rate
 
     from pagedserve import LLM
 
@@ -43,11 +53,59 @@ def child(busy: int) -> None:
         procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(load)]
         time.sleep(0.5)
         try:
-            out[str(load)] = {b: decode_rate(llm, b, 64, 32)["tokens_per_s"] for b in (1, 16)}
+            rates = {f"batch {b}": decode_rate(llm, b, 64, 32)["tokens_per_s"] for b in BATCHES}
+            out[str(load)] = {**rates, "prefill": prefill_rate(llm, 256, 8)}
         finally:
             for p in procs:
                 p.kill()
     print(json.dumps(out))
+
+
+def rows_sweep(busy: int, rounds: int, path: str | None) -> None:
+    """One thread against all threads with the spin throttle held, beside ``busy`` busy loops,
+    the guard off (so neither changes mid-measurement)."""
+    os.environ["PAGEDSERVE_CONTENTION_GUARD"] = "0"
+    import torch
+    from common import commit_kv_cache, decode_rate, prefill_rate
+
+    from pagedserve import LLM
+    from pagedserve.cpu import SpinThrottle
+
+    llm = LLM(None, kv_cache_memory=1 << 28, max_model_len=512)
+    commit_kv_cache(llm)
+    decode_rate(llm, 1, 64, 8)  # warm-up
+    threads, throttle = torch.get_num_threads(), SpinThrottle()
+    modes = {"1 thread": False, f"{threads} threads, spin throttled": True}
+    runs: dict[str, list] = {m: [] for m in modes}
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(busy)]
+    time.sleep(0.5)
+    try:
+        for _ in range(rounds):
+            for mode, throttled in modes.items():
+                torch.set_num_threads(threads if throttled else 1)
+                if throttled and not throttle.hold(threads):
+                    raise SystemExit("the spin throttle cannot be held here (no libgomp?)")
+                r = {f"batch {b}": decode_rate(llm, b, 64, 32)["tokens_per_s"]
+                     for b in (8, 16, 32, 64)}
+                r["prefill"] = prefill_rate(llm, 256, 8)
+                throttle.release()
+                runs[mode].append(r)
+                print(mode, {k: round(v, 1) for k, v in r.items()}, flush=True)
+    finally:
+        for p in procs:
+            p.kill()
+        torch.set_num_threads(threads)
+    print(f"\n{busy} busy loops beside the engine; tokens/s, median of {rounds} rounds")
+    measures = list(runs["1 thread"][0])
+    print("| mode | " + " | ".join(measures) + " |")
+    print("|---|" + "---:|" * len(measures))
+    medians = {m: {k: statistics.median(r[k] for r in rs) for k in measures}
+               for m, rs in runs.items()}
+    for mode, med in medians.items():
+        print(f"| {mode} | " + " | ".join(f"{med[k]:.0f}" for k in measures) + " |")
+    if path:
+        Path(path).write_text(json.dumps({"busy": busy, "median": medians, "runs": runs},
+                                         indent=1))
 
 
 def main() -> None:
@@ -55,36 +113,54 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the engine")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS))
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="an older checkout whose default runs as one more setting")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=results_path("shared-cores.json"))
+    ap.add_argument("--rows-sweep", action="store_true",
+                    help="one thread against all threads under the spin throttle, by step size")
     args = ap.parse_args()
+    if args.rows_sweep:
+        json_path = args.json
+        if json_path == results_path("shared-cores.json"):
+            json_path = results_path("shared-cores-rows.json")
+        rows_sweep(args.busy, args.rounds, json_path)
+        return
     if args.child:
         child(args.busy)
         return
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    runs: dict[str, list] = {name: [] for name in args.settings}
+    settings = {name: SETTINGS[name] for name in args.settings}
+    if args.baseline_src is not None:
+        here = Path(__file__).resolve().parent
+        settings["previous version (--baseline-src), its default"] = {
+            "PYTHONPATH": f"{args.baseline_src.resolve() / 'src'}:{here}"}
+    runs: dict[str, list] = {name: [] for name in settings}
     for _ in range(args.rounds):
-        for name in args.settings:
-            env = SETTINGS[name]
+        for name, env in settings.items():
             out = subprocess.run([sys.executable, __file__, "--child", "--busy", str(args.busy)],
                                  env={**base, **env, "PAGEDSERVE_LOGGING_LEVEL": "WARNING"},
                                  capture_output=True, text=True, check=True)
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, runs[name][-1], flush=True)
-    print(f"\n{os.cpu_count()} CPUs, {args.busy} busy loops; best of {args.rounds} rounds")
-    print("| OpenMP wait | batch 1 quiet | batch 1 shared | kept | batch 16 quiet | "
-          "batch 16 shared | kept |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    table = {}
+    print(f"\n{os.cpu_count()} CPUs, {args.busy} busy loops; tokens/s, best (median) of "
+          f"{args.rounds} rounds; kept: shared / quiet of the same statistic")
+    print("| setting | measure | quiet | beside the busy loops | kept |")
+    print("|---|---|---:|---:|---:|")
+    table, medians = {}, {}
+    loads = ("0", str(args.busy))
     for name, rs in runs.items():
-        best = {load: {b: max(r[load][str(b)] for r in rs) for b in (1, 16)}
-                for load in ("0", str(args.busy))}
-        q, s = best["0"], best[str(args.busy)]
-        table[name] = best
-        print(f"| {name} | {q[1]:.1f} | {s[1]:.1f} | {100 * s[1] / q[1]:.0f}% | {q[16]:.0f} | "
-              f"{s[16]:.0f} | {100 * s[16] / q[16]:.0f}% |")
+        best = {load: {m: max(r[load][m] for r in rs) for m in MEASURES} for load in loads}
+        med = {load: {m: statistics.median(r[load][m] for r in rs) for m in MEASURES}
+               for load in loads}
+        table[name], medians[name] = best, med
+        for m in MEASURES:
+            q, s, mq, ms = best["0"][m], best[loads[1]][m], med["0"][m], med[loads[1]][m]
+            print(f"| {name} | {m} | {q:.1f} ({mq:.1f}) | {s:.1f} ({ms:.1f}) | "
+                  f"{100 * s / q:.0f}% ({100 * ms / mq:.0f}%) |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"busy": args.busy, "best": table, "runs": runs},
+        Path(args.json).write_text(json.dumps({"busy": args.busy, "best": table, "median": medians,
+                                               "runs": runs},
                                               indent=1))
 
 

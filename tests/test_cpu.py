@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -120,10 +121,26 @@ class _Clock:
         self.waited += int(seconds * wait_share * 1e9)
 
 
-def _guard(clock):
+class _Throttle:
+    def __init__(self, available: bool = True):
+        self.available, self.held, self.events = available, False, []
+
+    def hold(self, threads: int) -> bool:
+        self.events.append("hold")
+        self.held = self.available
+        return self.available
+
+    def release(self) -> None:
+        if self.held:
+            self.events.append("release")
+        self.held = False
+
+
+def _guard(clock, throttle=None):
     return cpu.ContentionGuard(2, interval=0.5, clock=lambda: clock.now,
                                read=lambda: (0, clock.waited),
-                               set_threads=clock.calls.append)
+                               set_threads=clock.calls.append,
+                               throttle=throttle or _Throttle())
 
 
 def test_contention_guard_drops_to_one_thread_and_back():
@@ -233,3 +250,112 @@ print(released, before, after, len(os.listdir('/proc/self/task')))
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 0 00:00 0 /usr/lib/libc.so.6\n")
     assert cpu.release_openmp_threads(maps) is False
+
+
+def test_contention_guard_keeps_large_steps_on_all_threads_under_the_throttle():
+    """Contended: the spin throttle is held, steps of ROWS tokens or more keep both threads and
+    smaller ones run on one; once free, the throttle is released and both threads are back."""
+    c, t = _Clock(), _Throttle()
+    g = _guard(c, t)
+    big, small = cpu.ContentionGuard.ROWS, cpu.ContentionGuard.ROWS - 1
+    c.step(0.6, 0.4)
+    g.check(big)
+    assert t.held and c.calls == []  # contended, but a large step keeps 2 threads
+    c.step(0.1, 0.4)
+    g.check(small)
+    assert c.calls == [1]
+    g.check(big)
+    assert c.calls == [1, 2]
+    g.check(1)
+    for _ in range(5):  # free again (the hold is 2 s)
+        c.step(0.6, 0.0)
+        g.check(1)
+    assert not t.held and t.events == ["hold", "release"]
+    assert c.calls == [1, 2, 1, 2]
+
+
+def test_contention_guard_without_the_throttle_runs_every_step_on_one_thread():
+    c = _Clock()
+    g = _guard(c, _Throttle(available=False))
+    c.step(0.6, 0.4)
+    g.check(4 * cpu.ContentionGuard.ROWS)
+    assert c.calls == [1]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+def test_spin_throttle_holds_an_idle_openmp_pool_and_frees_it():
+    """hold() adds a thread with an OpenMP pool that outnumbers the CPUs beside the engine's
+    threads; release() ends both. No libgomp (another OpenMP build): nothing is held."""
+    torch.ones(1 << 16).sum()  # libgomp loaded and this thread's pool made
+    throttle = cpu.SpinThrottle()
+    before = _threads()
+    threads = torch.get_num_threads()
+    held = throttle.hold(threads)
+    if cpu._libgomp() is None:
+        assert not held and _threads() == before
+        return
+    cpus = len(os.sched_getaffinity(0))
+    if cpus - threads + 1 > cpu.SpinThrottle.MAX_EXTRA:
+        assert not held
+        return
+    assert held and throttle.held
+    assert _threads() == before + 1 + (cpus - threads + 1)  # the holder and its pool
+    assert throttle.hold(threads)  # idempotent
+    assert _threads() == before + 1 + (cpus - threads + 1)
+    throttle.release()
+    assert not throttle.held
+    deadline = time.monotonic() + 5
+    while _threads() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads() == before
+
+
+def test_a_collected_guard_releases_its_throttle():
+    import gc
+
+    c, t = _Clock(), _Throttle()
+    g = _guard(c, t)
+    c.step(0.6, 0.4)
+    g.check(1)
+    assert t.held
+    del g
+    gc.collect()
+    assert not t.held
+
+
+_THROTTLE_CHILD = """
+import time, torch
+from pagedserve import cpu
+x = torch.ones(1 << 20)
+
+def spun(throttled):
+    throttle = cpu.SpinThrottle()
+    if throttled:
+        assert throttle.hold(torch.get_num_threads())
+    x.sum()  # a parallel region; afterwards its worker waits for the next one
+    t0 = time.process_time()
+    time.sleep(0.3)
+    spent = time.process_time() - t0
+    throttle.release()
+    return spent
+
+print(spun(True), spun(False))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or cpu._libgomp() is None,
+                    reason="needs 2 CPUs and libgomp")
+def test_spin_throttle_makes_waiting_openmp_threads_sleep():
+    """The mechanism itself: with a spin count of 10^10, an OpenMP worker busy-waits through a
+    0.3 s pause after a parallel region (the process burns CPU while its main thread sleeps);
+    with the throttle held it sleeps after 100 spins."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env["GOMP_SPINCOUNT"] = "10000000000"
+    out = subprocess.run([sys.executable, "-c", _THROTTLE_CHILD], env=env, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.split()
+    throttled, spinning = map(float, out)
+    assert throttled < 0.1 and spinning > 0.2, (throttled, spinning)

@@ -12,9 +12,10 @@
   libgomp reads the variable once, when torch loads it, so this runs when ``pagedserve`` is
   imported; an explicit ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
 - ``ContentionGuard``: spinning is what keeps a quiet machine fast (a lower spin count or a
-  passive wait cost 15-25% of quiet decode), and what wastes a shared one. The guard watches how
-  long the engine's thread waits for a CPU and, while that share is high, runs torch with one
-  thread (no barrier to spin at), going back to the full count when the cores are free.
+  passive wait cost 13-25% of quiet decode), and what wastes a shared one. The guard watches how
+  long the engine's thread waits for a CPU and, while that share is high, holds the
+  ``SpinThrottle`` (libgomp spins 100 times, then sleeps) and runs small steps on one thread
+  (no barrier at all), going back to the full count when the cores are free.
 - ``cpu_flags()`` / ``matrix_unit()``: the instruction-set extensions that choose the matmul
   path for large chunks (model/linear.py): AMX tiles, AVX-512 BF16, or neither.
 """
@@ -27,6 +28,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 logger = logging.getLogger("pagedserve")
@@ -129,18 +131,96 @@ def release_openmp_threads(maps: Path = Path("/proc/self/maps")) -> bool:
     OpenMP, or none loaded, leaves it at False."""
     import ctypes
 
-    try:
-        path = next((line.split()[-1] for line in maps.read_text().splitlines()
-                     if "libgomp" in line.rsplit("/", 1)[-1]), None)
-        if path is None:
-            return False
-        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-    except OSError:
-        return False
+    gomp = _libgomp(maps)
+    pause = None if gomp is None else getattr(gomp, "omp_pause_resource_all", None)
     if pause is None:
         return False
     pause.argtypes = [ctypes.c_int]
     return pause(2) == 0  # omp_pause_hard
+
+
+def _libgomp(maps: Path = Path("/proc/self/maps")):
+    """The loaded libgomp as a ctypes library, or None (none loaded, or another OpenMP)."""
+    import ctypes
+
+    try:
+        path = next((line.split()[-1] for line in maps.read_text().splitlines()
+                     if "libgomp" in line.rsplit("/", 1)[-1]), None)
+        return None if path is None else ctypes.CDLL(path)
+    except OSError:
+        return None
+
+
+class SpinThrottle:
+    """Makes libgomp spin 100 times instead of its configured count before a waiting thread
+    sleeps, for as long as it is held, by holding an idle pool of OpenMP threads on a thread of
+    its own.
+
+    libgomp reads its spin count once, but at every wait it compares the threads of all its
+    pools, idle ones included, with the CPUs it may use, and when they outnumber the CPUs it
+    uses its throttled count (100 spins) instead: the condition "One OpenMP pool" in
+    docs/performance.md describes as a cost on a quiet machine. On oversubscribed cores it is
+    what the engine wants: its threads sleep at a barrier instead of burning the time slices
+    the other threads need, close to ``OMP_WAIT_POLICY=PASSIVE``, and back to spinning when
+    released. ``hold(threads)`` makes the pool large enough to outnumber the CPUs beside
+    ``threads`` engine threads (two more threads where the engine uses every CPU of its
+    affinity mask); it returns False, holding nothing, where it cannot (no libgomp, or a CPU
+    quota leaves many CPUs of the mask unused: the pool would need that many idle threads).
+    """
+
+    MAX_EXTRA = 4  # idle threads the pool may hold
+
+    def __init__(self):
+        import threading
+
+        self._threading = threading
+        self._thread = None
+        self._stop = threading.Event()
+
+    @property
+    def held(self) -> bool:
+        return self._thread is not None
+
+    def hold(self, threads: int) -> bool:
+        if self._thread is not None:
+            return True
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        size = cpus - threads + 2  # the pool's master is the holding thread itself
+        gomp = _libgomp()
+        if gomp is None or size - 1 > self.MAX_EXTRA or not hasattr(gomp, "GOMP_parallel"):
+            return False
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        # every pool thread calls free(NULL): a C function of one pointer that does nothing
+        parallel = gomp.GOMP_parallel
+        parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        parallel.restype = None
+        noop = ctypes.cast(libc.free, ctypes.c_void_p)
+        started = self._threading.Event()
+        self._stop.clear()
+
+        def run() -> None:
+            parallel(noop, None, size, 0)
+            started.set()
+            self._stop.wait()
+            release_openmp_threads()
+
+        self._thread = self._threading.Thread(target=run, name="pagedserve-spin-throttle",
+                                              daemon=True)
+        self._thread.start()
+        started.wait()
+        return True
+
+    def release(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
 
 
 def _run_delay_ns() -> tuple[int, int] | None:
@@ -155,42 +235,68 @@ def _run_delay_ns() -> tuple[int, int] | None:
 
 
 class ContentionGuard:
-    """Drops torch's intra-op threads to 1 while the cores are oversubscribed, and restores
-    them when they are free; ``check()`` is called once per engine step on the thread that
-    runs the forward.
+    """Adapts torch's intra-op threads to oversubscribed cores and restores them when the cores
+    are free; ``check(rows)`` is called once per engine step, with the step's token count, on
+    the thread that runs the forward.
 
     Every ``interval`` seconds it reads the share of wall time this thread waited runnable for
-    a CPU (the kernel's run delay). Above ``high`` the cores are contended: one thread. With one
-    thread the share stays high while others still load every core; below ``low`` it tries the
-    full count again, after a hold that doubles each time the full count is contended again
-    within a hold (up to ``MAX_HOLD``), so a machine with one spare core does not flip every
-    interval. ``threads`` 1, or a kernel without schedstat, leaves it idle.
+    a CPU (the kernel's run delay). Above ``high`` the cores are contended, and until it is
+    below ``low`` again:
+
+    - libgomp spins only 100 times before its threads sleep (``SpinThrottle``), so a thread
+      waiting at a barrier for a descheduled peer gives the core back instead of spinning;
+    - steps of fewer than ``ROWS`` tokens run on one thread: no barrier at all. A parallel
+      region waits for both threads, and a thread that slept at the last barrier may wait
+      for a time slice to run again; a step of few rows has many short regions, so its
+      second thread's share of a contended core does not pay for those waits, while a large
+      step's few long regions do (docs/performance.md, "Shared cores"). Where the throttle
+      cannot be held, every step runs on one thread.
+
+    The full count is tried again after a hold that doubles each time the full count is
+    contended again within a hold (up to ``MAX_HOLD``), so a machine with one spare core does
+    not flip every interval. ``threads`` 1, or a kernel without schedstat, leaves it idle.
     """
 
     MAX_HOLD = 64.0  # seconds
+    ROWS = 32  # from here two throttled threads beat one beside busy loops (shared_cores.py)
 
     def __init__(self, threads: int, interval: float = 0.5, high: float = 0.2,
                  low: float = 0.05, clock=time.monotonic, read=_run_delay_ns,
-                 set_threads=None):
+                 set_threads=None, throttle: SpinThrottle | None = None):
         import torch
 
         self.threads, self.interval, self.high, self.low = threads, interval, high, low
         self.clock, self.read = clock, read
         self.set_threads = set_threads or torch.set_num_threads
-        self.reduced = False
+        self.throttle = throttle or SpinThrottle()
+        self.reduced = False  # contended: the throttle held, small steps on one thread
+        self.throttled = False  # the throttle is held (else every step on one thread)
+        self.current = threads  # the count torch runs with now
         self.hold, self.until = 4 * interval, 0.0
         self.last = (clock(), read()) if threads > 1 else None
         self.just_restored = False  # the next sample is the first with the full count back
+        # a collected guard must not leave libgomp throttled for the rest of the process
+        weakref.finalize(self, self.throttle.release)
 
-    def check(self) -> None:
+    def check(self, rows: int = 1) -> None:
         if self.last is None or self.last[1] is None:
             return
+        self._sample()
+        want = self.threads
+        if self.reduced and not (self.throttled and rows >= self.ROWS):
+            want = 1
+        if want != self.current:
+            self.current = want
+            self.set_threads(want)
+
+    def _sample(self) -> None:
         now = self.clock()
         if now - self.last[0] < self.interval:
             return
         sample = self.read()
         if sample is None:
             self.last = None
+            self._restore()
             return
         if now - self.last[0] > 4 * self.interval:  # after an idle gap: a new baseline only
             self.last = (now, sample)
@@ -198,20 +304,25 @@ class ContentionGuard:
         waited = (sample[1] - self.last[1][1]) / 1e9 / (now - self.last[0])
         self.last = (now, sample)
         if not self.reduced and waited > self.high:
-            # contended right after a restore (the full count itself oversubscribes): hold the
-            # single thread twice as long as last time; otherwise the base hold
+            # contended right after a restore (the full count itself oversubscribes): hold
+            # twice as long as last time; otherwise the base hold
             recent = self.just_restored
             self.hold = min(2 * self.hold, self.MAX_HOLD) if recent else 4 * self.interval
             self.reduced, self.until = True, now + self.hold
-            self.set_threads(1)
-            logger.debug("cores contended (waited %.0f%% for a CPU): 1 thread for %.0fs",
-                         100 * waited, self.hold)
+            self.throttled = self.throttle.hold(self.threads)
+            logger.debug("cores contended (waited %.0f%% for a CPU): %s for %.0fs",
+                         100 * waited, "spin throttled, small steps on 1 thread"
+                         if self.throttled else "1 thread", self.hold)
         elif self.reduced and waited < self.low and now >= self.until:
-            self.reduced, self.just_restored = False, True
-            self.set_threads(self.threads)
+            self._restore()
+            self.just_restored = True
             logger.debug("cores free again: %d threads", self.threads)
             return
         self.just_restored = False
+
+    def _restore(self) -> None:
+        self.reduced = self.throttled = False
+        self.throttle.release()
 
 
 @functools.cache

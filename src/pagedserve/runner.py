@@ -281,7 +281,7 @@ class ModelRunner:
         """Run one step. Returns the logits of the sequences whose scheduled chunk reaches their
         last token, and of the computed prompt positions of requests that want prompt
         logprobs. Changes no sequence."""
-        self.contention.check()
+        self.contention.check(sched.num_decode_rows + sched.num_prefill_tokens)
         inp, out = self.prepare(sched)
         out.logits, out.prompt_logits = self.execute_model(inp)
         return out
