@@ -338,7 +338,7 @@ def spun(throttled):
         assert throttle.hold(torch.get_num_threads())
     x.sum()  # a parallel region; afterwards its worker waits for the next one
     t0 = time.process_time()
-    time.sleep(0.3)
+    time.sleep(1.0)
     spent = time.process_time() - t0
     throttle.release()
     return spent
@@ -351,11 +351,12 @@ print(spun(True), spun(False))
                     reason="needs 2 CPUs and libgomp")
 def test_spin_throttle_makes_waiting_openmp_threads_sleep():
     """The mechanism itself: with a spin count of 10^10, an OpenMP worker busy-waits through a
-    0.3 s pause after a parallel region (the process burns CPU while its main thread sleeps);
-    with the throttle held it sleeps after 100 spins."""
+    1 s pause after a parallel region (the process burns CPU while its main thread sleeps; on
+    cores that other work also wants, a share of that second); with the throttle held it
+    sleeps after 100 spins."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     env["GOMP_SPINCOUNT"] = "10000000000"
     out = subprocess.run([sys.executable, "-c", _THROTTLE_CHILD], env=env, capture_output=True,
                          text=True, check=True, timeout=120).stdout.split()
     throttled, spinning = map(float, out)
-    assert throttled < 0.1 and spinning > 0.2, (throttled, spinning)
+    assert throttled < 0.05 and spinning > 0.15, (throttled, spinning)

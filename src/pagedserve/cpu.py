@@ -194,32 +194,40 @@ class SpinThrottle:
             return False
         import ctypes
 
-        libc = ctypes.CDLL(None)
-        # every pool thread calls free(NULL): a C function of one pointer that does nothing
+        try:
+            # every pool thread calls free(NULL): a C function of one pointer that does nothing
+            noop = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+        except (OSError, AttributeError):
+            return False
         parallel = gomp.GOMP_parallel
         parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
         parallel.restype = None
-        noop = ctypes.cast(libc.free, ctypes.c_void_p)
         started = self._threading.Event()
         self._stop.clear()
 
         def run() -> None:
-            parallel(noop, None, size, 0)
-            started.set()
+            try:
+                parallel(noop, None, size, 0)
+            finally:
+                started.set()
             self._stop.wait()
             release_openmp_threads()
 
-        self._thread = self._threading.Thread(target=run, name="pagedserve-spin-throttle",
-                                              daemon=True)
-        self._thread.start()
-        started.wait()
+        thread = self._threading.Thread(target=run, name="pagedserve-spin-throttle",
+                                        daemon=True)
+        thread.start()
+        if not started.wait(timeout=10):  # never seen; the engine must not wait on it
+            logger.warning("the OpenMP spin throttle did not start; left off")
+            self._stop.set()
+            return False
+        self._thread = thread
         return True
 
     def release(self) -> None:
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=10)
         self._thread = None
 
 
