@@ -158,14 +158,14 @@ class SpinThrottle:
 
     libgomp reads its spin count once, but at every wait it compares the threads of all its
     pools, idle ones included, with the CPUs it may use, and when they outnumber the CPUs it
-    uses its throttled count (100 spins) instead: the condition "One OpenMP pool" in
-    docs/performance.md describes as a cost on a quiet machine. On oversubscribed cores it is
-    what the engine wants: its threads sleep at a barrier instead of burning the time slices
-    the other threads need, close to ``OMP_WAIT_POLICY=PASSIVE``, and back to spinning when
-    released. ``hold(threads)`` makes the pool large enough to outnumber the CPUs beside
-    ``threads`` engine threads (two more threads where the engine uses every CPU of its
-    affinity mask); it returns False, holding nothing, where it cannot (no libgomp, or a CPU
-    quota leaves many CPUs of the mask unused: the pool would need that many idle threads).
+    uses its throttled count (100 spins) instead. On a quiet machine that is a cost ("One
+    OpenMP pool" in docs/performance.md); on oversubscribed cores it is what the engine wants:
+    its threads sleep at a barrier instead of burning the time slices the other threads need,
+    close to ``OMP_WAIT_POLICY=PASSIVE``, and spin again once released. ``hold(threads)`` makes
+    the pool just large enough to outnumber the CPUs beside ``threads`` engine threads (the
+    holding thread and one worker where the engine uses every CPU of its affinity mask); it
+    returns False, holding nothing, where it cannot (no libgomp, or a CPU quota leaves many
+    CPUs of the mask unused: the pool would need that many idle threads).
     """
 
     MAX_EXTRA = 4  # idle threads the pool may hold
