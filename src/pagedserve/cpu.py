@@ -266,7 +266,9 @@ class ContentionGuard:
     """
 
     MAX_HOLD = 64.0  # seconds
-    ROWS = 32  # from here two throttled threads beat one beside busy loops (shared_cores.py)
+    # mid-way through 8-32 tokens, where one thread and two throttled ones measured even; from
+    # 64, two won by a third (benchmarks/shared_cores.py --rows-sweep)
+    ROWS = 32
 
     def __init__(self, threads: int, interval: float = 0.5, high: float = 0.2,
                  low: float = 0.05, clock=time.monotonic, read=_run_delay_ns,
