@@ -8,7 +8,7 @@ Each is read when asked for (not at import), so a test or a launcher can set it 
 | ``PAGEDSERVE_API_KEY`` | unset | the server's API key when ``--api-key`` is not given |
 | ``PAGEDSERVE_CPU_KERNELS`` | ``1`` | ``0``: the torch path instead of the fused CPU kernels; ``unpacked``: the kernels with torch's matmuls (read when a model is built) |
 | ``PAGEDSERVE_DEBUG_KV`` | ``0`` | ``1`` checks the block pool invariants after every step |
-| ``PAGEDSERVE_CONTENTION_GUARD`` | ``1`` | ``0``: keep the thread count when the cores are shared (pagedserve.cpu.ContentionGuard; the tests, whose equalities must not depend on a thread count changing mid-run) |
+| ``PAGEDSERVE_CONTENTION_GUARD`` | ``1`` | ``0``: keep the thread count and libgomp's spinning when the cores are shared (pagedserve.cpu.ContentionGuard; the tests, whose equalities must not depend on a thread count changing mid-run) |
 | ``PAGEDSERVE_LOGGING_LEVEL`` | ``INFO`` | the ``pagedserve`` logger's level |
 | ``PAGEDSERVE_TP_EXTERNAL`` | ``0`` | ``1``: tensor-parallel ranks are started by hand |
 | ``PAGEDSERVE_TP_TIMEOUT`` | ``600`` | seconds a collective waits for a silent peer |
