@@ -255,9 +255,9 @@ class ContentionGuard:
       waiting at a barrier for a descheduled peer gives the core back instead of spinning;
     - steps of fewer than ``ROWS`` tokens run on one thread: no barrier at all. A parallel
       region waits for both threads, and a thread that slept at the last barrier may wait
-      for a time slice to run again; a step of few rows has many short regions, so its
+      for a time slice to run again; a step of few rows is made of short regions, so its
       second thread's share of a contended core does not pay for those waits, while a large
-      step's few long regions do (docs/performance.md, "Shared cores"). Where the throttle
+      step's longer regions do (docs/performance.md, "Shared cores"). Where the throttle
       cannot be held, every step runs on one thread.
 
     The full count is tried again after a hold that doubles each time the full count is
