@@ -215,7 +215,11 @@ class SpinThrottle:
 
         thread = self._threading.Thread(target=run, name="pagedserve-spin-throttle",
                                         daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as e:  # no thread to be had: a step must not fail for this
+            logger.warning("the OpenMP spin throttle did not start (%s); left off", e)
+            return False
         if not started.wait(timeout=10):  # never seen; the engine must not wait on it
             logger.warning("the OpenMP spin throttle did not start; left off")
             self._stop.set()
