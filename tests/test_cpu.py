@@ -361,3 +361,14 @@ def test_spin_throttle_makes_waiting_openmp_threads_sleep():
                          text=True, check=True, timeout=120).stdout.split()
     throttled, spinning = map(float, out)
     assert throttled < 0.05 and spinning > 0.15, (throttled, spinning)
+
+
+def test_spin_throttle_declines_where_the_pool_would_need_many_idle_threads(monkeypatch):
+    """A CPU quota far below the affinity mask (2 threads on 16 CPUs): outnumbering the CPUs
+    would take 15 idle threads, so nothing is held and the guard runs every step on one
+    thread instead."""
+    before = _threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    throttle = cpu.SpinThrottle()
+    assert throttle.hold(2) is False and not throttle.held
+    assert _threads() == before
