@@ -8,10 +8,12 @@ are noisy, so absolute numbers from different runs are not compared.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,6 +104,21 @@ def prefill_rate(llm: LLM, prompt_len: int = 512, n: int = 12) -> float:
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     return n * prompt_len / (time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def busy_loops(n: int):
+    """``n`` processes of ``python -c 'while 1: pass'`` on this machine's cores for the block: a
+    shared machine's load (started half a second before the block runs, killed after it)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+    try:
+        if procs:
+            time.sleep(0.5)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def positive(text: str) -> int:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from common import Server, english_text, results_path
+from common import Server, busy_loops, english_text, results_path
 
 LLAMA_CPP_VERSION = "0.3.36"  # llama-cpp-python sdist that vendors llama.cpp
 WORKLOADS = {"prefill-heavy": (1024, 128), "chat": (256, 256), "286/128": (286, 128)}
@@ -208,12 +208,8 @@ def main() -> None:
           "ITL p50 / p99 (ms) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     rows = []
-    busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.busy)]
-    try:
+    with busy_loops(args.busy):
         run_servers(args, gguf, threads, tokenizer, rows)
-    finally:
-        for p in busy:
-            p.kill()
     summarize(rows)
 
 

@@ -23,13 +23,17 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from common import results_path
+from common import busy_loops, results_path
 
+from pagedserve.cpu import SPIN_COUNT
+
+# The children import torch (through common) before pagedserve, too late for the spin limit
+# pagedserve sets on import, so the default's setting passes it as importing pagedserve first
+# would.
 SETTINGS = {"libgomp default (300,000 spins)": {"GOMP_SPINCOUNT": "300000"},
-            "pagedserve default": {},
+            "pagedserve default": {"GOMP_SPINCOUNT": SPIN_COUNT},
             "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
             "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"},
             "GOMP_SPINCOUNT=100": {"GOMP_SPINCOUNT": "100"},
@@ -50,18 +54,13 @@ def child(busy: int) -> None:
     decode_rate(llm, 1, 64, 8)  # warm-up
     out = {}
     for load in (0, busy):
-        procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(load)]
-        time.sleep(0.5)
-        try:
+        with busy_loops(load):
             rates = {f"batch {b}": decode_rate(llm, b, 64, 32)["tokens_per_s"] for b in BATCHES}
             out[str(load)] = {**rates, "prefill": prefill_rate(llm, 256, 8)}
-        finally:
-            for p in procs:
-                p.kill()
     print(json.dumps(out))
 
 
-def rows_sweep(busy: int, rounds: int, path: str | None) -> None:
+def rows_sweep(busy: int, rounds: int, path: str) -> None:
     """One thread against all threads with the spin throttle held, beside ``busy`` busy loops,
     the guard off (so neither changes mid-measurement)."""
     os.environ["PAGEDSERVE_CONTENTION_GUARD"] = "0"
@@ -77,23 +76,20 @@ def rows_sweep(busy: int, rounds: int, path: str | None) -> None:
     threads, throttle = torch.get_num_threads(), SpinThrottle()
     modes = {"1 thread": False, f"{threads} threads, spin throttled": True}
     runs: dict[str, list] = {m: [] for m in modes}
-    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(busy)]
-    time.sleep(0.5)
     try:
-        for _ in range(rounds):
-            for mode, throttled in modes.items():
-                torch.set_num_threads(threads if throttled else 1)
-                if throttled and not throttle.hold(threads):
-                    raise SystemExit("the spin throttle cannot be held here (no libgomp?)")
-                r = {f"batch {b}": decode_rate(llm, b, 64, 32)["tokens_per_s"]
-                     for b in (8, 16, 32, 64)}
-                r["prefill"] = prefill_rate(llm, 256, 8)
-                throttle.release()
-                runs[mode].append(r)
-                print(mode, {k: round(v, 1) for k, v in r.items()}, flush=True)
+        with busy_loops(busy):
+            for _ in range(rounds):
+                for mode, throttled in modes.items():
+                    torch.set_num_threads(threads if throttled else 1)
+                    if throttled and not throttle.hold(threads):
+                        raise SystemExit("the spin throttle cannot be held here (no libgomp?)")
+                    r = {f"batch {b}": decode_rate(llm, b, 64, 32)["tokens_per_s"]
+                         for b in (8, 16, 32, 64)}
+                    r["prefill"] = prefill_rate(llm, 256, 8)
+                    throttle.release()
+                    runs[mode].append(r)
+                    print(mode, {k: round(v, 1) for k, v in r.items()}, flush=True)
     finally:
-        for p in procs:
-            p.kill()
         torch.set_num_threads(threads)
     print(f"\n{busy} busy loops beside the engine; tokens/s, median of {rounds} rounds")
     measures = list(runs["1 thread"][0])
@@ -103,9 +99,7 @@ def rows_sweep(busy: int, rounds: int, path: str | None) -> None:
                for m, rs in runs.items()}
     for mode, med in medians.items():
         print(f"| {mode} | " + " | ".join(f"{med[k]:.0f}" for k in measures) + " |")
-    if path:
-        Path(path).write_text(json.dumps({"busy": busy, "median": medians, "runs": runs},
-                                         indent=1))
+    Path(path).write_text(json.dumps({"busy": busy, "median": medians, "runs": runs}, indent=1))
 
 
 def main() -> None:
@@ -116,15 +110,13 @@ def main() -> None:
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="an older checkout whose default runs as one more setting")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--json", default=results_path("shared-cores.json"))
+    ap.add_argument("--json", default=None, help="where the results go (default: "
+                    "results/shared-cores.json, with --rows-sweep results/shared-cores-rows.json)")
     ap.add_argument("--rows-sweep", action="store_true",
                     help="one thread against all threads under the spin throttle, by step size")
     args = ap.parse_args()
     if args.rows_sweep:
-        json_path = args.json
-        if json_path == results_path("shared-cores.json"):
-            json_path = results_path("shared-cores-rows.json")
-        rows_sweep(args.busy, args.rounds, json_path)
+        rows_sweep(args.busy, args.rounds, args.json or results_path("shared-cores-rows.json"))
         return
     if args.child:
         child(args.busy)
@@ -134,7 +126,8 @@ def main() -> None:
     if args.baseline_src is not None:
         here = Path(__file__).resolve().parent
         settings["previous version (--baseline-src), its default"] = {
-            "PYTHONPATH": f"{args.baseline_src.resolve() / 'src'}:{here}"}
+            "PYTHONPATH": f"{args.baseline_src.resolve() / 'src'}:{here}",
+            "GOMP_SPINCOUNT": SPIN_COUNT}
     runs: dict[str, list] = {name: [] for name in settings}
     for _ in range(args.rounds):
         for name, env in settings.items():
@@ -158,10 +151,8 @@ def main() -> None:
             q, s, mq, ms = best["0"][m], best[loads[1]][m], med["0"][m], med[loads[1]][m]
             print(f"| {name} | {m} | {q:.1f} ({mq:.1f}) | {s:.1f} ({ms:.1f}) | "
                   f"{100 * s / q:.0f}% ({100 * ms / mq:.0f}%) |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"busy": args.busy, "best": table, "median": medians,
-                                               "runs": runs},
-                                              indent=1))
+    out = {"busy": args.busy, "best": table, "median": medians, "runs": runs}
+    Path(args.json or results_path("shared-cores.json")).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,7 +169,7 @@ def test_contention_guard_backs_off_when_the_full_count_oversubscribes():
     g = _guard(c)
     flips, t = [], 0.0
     while t < 120:
-        share = 0.3 if g.threads and not g.reduced else 0.0
+        share = 0.3 if g.threads and not g.contended else 0.0
         c.step(0.5, share)
         t += 0.5
         g.check()
@@ -372,3 +373,46 @@ def test_spin_throttle_declines_where_the_pool_would_need_many_idle_threads(monk
     throttle = cpu.SpinThrottle()
     assert throttle.hold(2) is False and not throttle.held
     assert _threads() == before
+
+
+_IDLE_SPIN_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import shared_cores  # imports torch (through common) before pagedserve, as its children do
+import torch
+x = torch.ones(1 << 20)
+spent = 0.0
+for _ in range(20):
+    x.sum()  # a parallel region; then its worker spins until its count runs out
+    t0 = time.process_time()
+    time.sleep(0.05)
+    spent += time.process_time() - t0
+print(spent)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or cpu._libgomp() is None,
+                    reason="needs 2 CPUs and libgomp")
+def test_the_shared_cores_benchmark_runs_its_default_with_the_spin_limit():
+    """The benchmark's children load torch before pagedserve, so the spin limit pagedserve
+    sets on import would come too late: its default setting must pass it. An idle worker
+    spins about 30x longer after each region under libgomp's 300,000 spins than under
+    pagedserve's limit."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import shared_cores
+    finally:
+        sys.path.remove(str(bench))
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+
+    def idle_cpu(setting: str) -> float:
+        env = {**base, **shared_cores.SETTINGS[setting], "PAGEDSERVE_LOGGING_LEVEL": "WARNING"}
+        return float(subprocess.run([sys.executable, "-c", _IDLE_SPIN_CHILD, str(bench)],
+                                    env=env, capture_output=True, text=True, check=True,
+                                    timeout=120).stdout.split()[-1])
+
+    default = idle_cpu("pagedserve default")
+    libgomp = idle_cpu("libgomp default (300,000 spins)")
+    assert default < 0.3 * libgomp, (default, libgomp)

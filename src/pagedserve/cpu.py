@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -83,15 +84,20 @@ def _cgroup_quota(root: Path = Path("/sys/fs/cgroup"),
     return min(limits) if limits else None
 
 
+def _affinity_cpus() -> int:
+    """The CPUs of this process's affinity mask (the host's count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @functools.cache
 def usable_cpus() -> int:
     """CPUs this process can really use: its affinity mask, capped by the cgroup CPU quota
     (rounded up: a 1.5-CPU quota still runs two threads in parallel part of the time).
     At least 1."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+    cpus = _affinity_cpus()
     quota = _cgroup_quota()
     if quota is not None:
         cpus = min(cpus, math.ceil(quota))
@@ -171,9 +177,6 @@ class SpinThrottle:
     MAX_EXTRA = 4  # idle threads the pool may hold
 
     def __init__(self):
-        import threading
-
-        self._threading = threading
         self._thread = None
         self._stop = threading.Event()
 
@@ -184,11 +187,8 @@ class SpinThrottle:
     def hold(self, threads: int) -> bool:
         if self._thread is not None:
             return True
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
-        size = cpus - threads + 2  # the pool's master is the holding thread itself
+        # libgomp counts the CPUs of the affinity mask; the holding thread is the pool's master
+        size = _affinity_cpus() - threads + 2
         gomp = _libgomp()
         if gomp is None or size - 1 > self.MAX_EXTRA or not hasattr(gomp, "GOMP_parallel"):
             return False
@@ -202,7 +202,7 @@ class SpinThrottle:
         parallel = gomp.GOMP_parallel
         parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
         parallel.restype = None
-        started = self._threading.Event()
+        started = threading.Event()
         self._stop.clear()
 
         def run() -> None:
@@ -213,7 +213,7 @@ class SpinThrottle:
             self._stop.wait()
             release_openmp_threads()
 
-        thread = self._threading.Thread(target=run, name="pagedserve-spin-throttle",
+        thread = threading.Thread(target=run, name="pagedserve-spin-throttle",
                                         daemon=True)
         try:
             thread.start()
@@ -283,7 +283,7 @@ class ContentionGuard:
         self.clock, self.read = clock, read
         self.set_threads = set_threads or torch.set_num_threads
         self.throttle = throttle or SpinThrottle()
-        self.reduced = False  # contended: the throttle held, small steps on one thread
+        self.contended = False  # the throttle held (or tried), small steps on one thread
         self.throttled = False  # the throttle is held (else every step on one thread)
         self.current = threads  # the count torch runs with now
         self.hold, self.until = 4 * interval, 0.0
@@ -297,7 +297,7 @@ class ContentionGuard:
             return
         self._sample()
         want = self.threads
-        if self.reduced and not (self.throttled and rows >= self.ROWS):
+        if self.contended and not (self.throttled and rows >= self.ROWS):
             want = 1
         if want != self.current:
             self.current = want
@@ -317,17 +317,17 @@ class ContentionGuard:
             return
         waited = (sample[1] - self.last[1][1]) / 1e9 / (now - self.last[0])
         self.last = (now, sample)
-        if not self.reduced and waited > self.high:
+        if not self.contended and waited > self.high:
             # contended right after a restore (the full count itself oversubscribes): hold
             # twice as long as last time; otherwise the base hold
             recent = self.just_restored
             self.hold = min(2 * self.hold, self.MAX_HOLD) if recent else 4 * self.interval
-            self.reduced, self.until = True, now + self.hold
+            self.contended, self.until = True, now + self.hold
             self.throttled = self.throttle.hold(self.threads)
             logger.debug("cores contended (waited %.0f%% for a CPU): %s for %.0fs",
                          100 * waited, "spin throttled, small steps on 1 thread"
                          if self.throttled else "1 thread", self.hold)
-        elif self.reduced and waited < self.low and now >= self.until:
+        elif self.contended and waited < self.low and now >= self.until:
             self._restore()
             self.just_restored = True
             logger.debug("cores free again: %d threads", self.threads)
@@ -335,7 +335,7 @@ class ContentionGuard:
         self.just_restored = False
 
     def _restore(self) -> None:
-        self.reduced = self.throttled = False
+        self.contended = self.throttled = False
         self.throttle.release()
 
 
