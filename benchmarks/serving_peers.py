@@ -12,8 +12,10 @@ one finished, ``--requests-per-client`` requests each (at least 3 in all). Promp
 (shuffled words of English text, trimmed to the length in the model's tokenizer), so no server
 reuses a cached prefix; outputs are greedy with ``ignore_eos`` so every request makes exactly
 its output length. Measured per run: output tokens/s over the run, TTFT p50 / p99 (send to
-first text), ITL p50 / p99 (gaps between streamed chunks), and the machine's 1-minute load
-average at the start (other work on the cores shows there).
+first text), ITL p50 / p99 over every gap between streamed chunks (the strict view: one slow
+step shows), the same percentiles of each request's mean ITL, ``(last - first chunk) / (chunks -
+1)`` weighted by its gaps (guidellm's definition of ITL, the figure its reports give), and the
+machine's 1-minute load average at the start (other work on the cores shows there).
 
 llama-server is built from the llama.cpp source vendored in the ``llama-cpp-python`` sdist
 (``build_llama_server``): portable (``GGML_NATIVE=OFF``) with the AVX-512 extensions this CPU
@@ -118,7 +120,7 @@ async def run_concurrency(url: str, model: str, prompts: list[str], out_len: int
         while queue:
             results.append(await _one(http, url, model, queue.pop(), out_len))
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     # a connection per request: reusing a kept-alive one races the server closing it (after its
     # keep-alive count or timeout) and fails the request as "disconnected without a response"
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30),
@@ -128,17 +130,23 @@ async def run_concurrency(url: str, model: str, prompts: list[str], out_len: int
     ok = [r for r in results if r["ok"]]
     duration = max(r["end"] for r in ok) - t0 if ok else float("nan")
     itl = [g for r in ok for g in r["itl"]]
+    # guidellm's ITL: one mean per request, counted once per gap it covers
+    itl_req = [float(np.mean(r["itl"])) for r in ok for _ in r["itl"]]
 
     def pct(values, q):
         return float(np.percentile(values, q)) if values else float("nan")
 
     tokens = sum(r["chunks"] for r in ok)
+    # the generator's own share of the cores it shares with the server
+    client_cpu = (time.process_time() - cpu0) / (time.perf_counter() - t0)
     return {"concurrency": concurrency, "requests": len(results), "completed": len(ok),
             "failed": [r for r in results if not r["ok"]][:2], "output_tokens": tokens,
             "duration_s": duration, "output_tok_s": tokens / duration,
             "ttft_p50": pct([r["ttft"] for r in ok], 50),
             "ttft_p99": pct([r["ttft"] for r in ok], 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "itl_req_p50": pct(itl_req, 50), "itl_req_p99": pct(itl_req, 99),
+            "client_cpu": client_cpu}
 
 
 def servers(args, gguf: Path, threads: int) -> dict[str, tuple[list[str], dict]]:
@@ -174,6 +182,9 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["prefill-heavy", "chat"],
                     choices=list(WORKLOADS))
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every server this many times in turn (tail latencies and "
+                         "ratios move between runs; each round is compared within itself)")
     ap.add_argument("--llama-server", type=Path, default=None,
                     help="a llama-server binary (default: build_llama_server)")
     ap.add_argument("--with-transformers", action="store_true",
@@ -205,15 +216,17 @@ def main() -> None:
     threads = usable_cpus()
     print(f"{threads} threads; {args.requests_per_client} requests per client (at least 3)\n")
     print("| workload | server | concurrency | load avg | output tok/s | TTFT p50 / p99 (s) | "
-          "ITL p50 / p99 (ms) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "ITL p50 / p99 (ms) | request mean ITL p50 / p99 (ms) | client CPU |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     with busy_loops(args.busy):
-        run_servers(args, gguf, threads, tokenizer, rows)
+        for r in range(args.rounds):
+            run_servers(args, gguf, threads, tokenizer, rows, r)
     summarize(rows)
 
 
-def run_servers(args, gguf: Path, threads: int, tokenizer, rows: list[dict]) -> None:
+def run_servers(args, gguf: Path, threads: int, tokenizer, rows: list[dict], round_: int = 0
+                ) -> None:
     """Each server in turn over every workload and concurrency; rows appended to ``rows`` and
     written to ``args.out`` after each run."""
     for name, (cmd, env) in servers(args, gguf, threads).items():
@@ -229,12 +242,13 @@ def run_servers(args, gguf: Path, threads: int, tokenizer, rows: list[dict]) -> 
                     prompts = make_prompts(tokenizer, n, prompt_len, seed=1000 * i + c)
                     load = os.getloadavg()[0]
                     row = asyncio.run(run_concurrency(server.url, "m", prompts, out_len, c))
-                    row.update(server=name, workload=w, load_avg=load)
+                    row.update(server=name, workload=w, load_avg=load, round=round_)
                     rows.append(row)
                     print(f"| {w} | {name} | {c} | {load:.1f} | {row['output_tok_s']:.1f} | "
                           f"{row['ttft_p50']:.2f} / {row['ttft_p99']:.2f} | "
-                          f"{row['itl_p50'] * 1e3:.0f} / {row['itl_p99'] * 1e3:.0f} |",
-                          flush=True)
+                          f"{row['itl_p50'] * 1e3:.0f} / {row['itl_p99'] * 1e3:.0f} | "
+                          f"{row['itl_req_p50'] * 1e3:.0f} / {row['itl_req_p99'] * 1e3:.0f} | "
+                          f"{row['client_cpu']:.0%} |", flush=True)
                     if row["failed"]:
                         print(f"  failed: {row['failed']}", flush=True)
                     # written after every run: a server that dies keeps the others' rows
@@ -250,16 +264,18 @@ def run_servers(args, gguf: Path, threads: int, tokenizer, rows: list[dict]) -> 
 def summarize(rows: list[dict]) -> None:
     """Each pagedserve mode's output throughput, TTFT p50 and ITL p99 against llama-server's
     at the same workload and concurrency."""
-    peer = {(r["workload"], r["concurrency"]): r for r in rows if r["server"] == "llama-server"}
+    peer = {(r["workload"], r["concurrency"], r.get("round", 0)): r for r in rows
+            if r["server"] == "llama-server"}
     print("\n| workload | server | concurrency | throughput vs llama-server | TTFT p50 ratio | "
-          "ITL p99 ratio |")
-    print("|---|---|---:|---:|---:|---:|")
+          "ITL p99 ratio | request mean ITL p99 ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        p = peer.get((r["workload"], r["concurrency"]))
+        p = peer.get((r["workload"], r["concurrency"], r.get("round", 0)))
         if r["server"].startswith("pagedserve") and p:
             print(f"| {r['workload']} | {r['server']} | {r['concurrency']} | "
                   f"{r['output_tok_s'] / p['output_tok_s']:.2f}x | "
-                  f"{r['ttft_p50'] / p['ttft_p50']:.2f} | {r['itl_p99'] / p['itl_p99']:.2f} |")
+                  f"{r['ttft_p50'] / p['ttft_p50']:.2f} | {r['itl_p99'] / p['itl_p99']:.2f} | "
+                  f"{r['itl_req_p99'] / p['itl_req_p99']:.2f} |")
     print("(ratios of times: below 1 is better for pagedserve)")
 
 
