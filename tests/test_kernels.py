@@ -138,6 +138,37 @@ def test_paged_decode_attention_matches_dense(ops, cache_dtype, d, copies):
                                    g.seq_lens + 20, 0.25, torch.float32)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_long_contexts_match_dense(ops, cache_dtype):
+    """Contexts of several 256-key chunks (and one just past a chunk, one inside a tile),
+    SmolLM2's head counts, blocks in random order: the walk over chunks and tiles and the
+    prefetch running ahead from K's rows into V's, whole items and items split per KV head,
+    with and without a sliding window."""
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    seq_lens = [600, 257, 3, 1000, 16, 259]
+    nb = [-(-n // bs) for n in seq_lens]
+    k_cache, v_cache = _cache(num_blocks=sum(nb) + 5, block_size=bs, kv_heads=kv_heads,
+                              head_dim=d, dtype=cache_dtype)
+    order = torch.randperm(sum(nb) + 5, generator=torch.Generator().manual_seed(3)).tolist()
+    tables, at = [], 0
+    for n in nb:
+        tables.append(order[at:at + n])
+        at += n
+    for b in (len(seq_lens), 2):  # whole items; split per KV head
+        g = build_group([1] * b, seq_lens[:b], [tables[:b]], bs, heads // kv_heads,
+                        torch.device("cpu"))
+        q = torch.randn(b, heads, d)
+        k = k_cache.float()[g.block_ids[0]].view(b, -1, kv_heads, d).transpose(1, 2)
+        v = v_cache.float()[g.block_ids[0]].view(b, -1, kv_heads, d).transpose(1, 2)
+        for window, mask in ((0, g.mask), (300, g.window_mask(300))):
+            expect = F.scaled_dot_product_attention(
+                q.view(b, kv_heads, heads // kv_heads, d), k, v, attn_mask=mask,
+                scale=0.125).reshape(b, heads, d)
+            out = ops.paged_decode_attention(q, k_cache, v_cache, g.block_ids[0].view(b, -1),
+                                             g.seq_lens, 0.125, torch.float32, window)
+            torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_decode_attention_refuses_degenerate_shapes(ops):
     """0 KV heads (a division by zero, SIGFPE) and head_dim 0 (a read past every row, SIGSEGV)
     crashed the process before; a 5-D cache and [B, 1] lengths were taken as something else."""

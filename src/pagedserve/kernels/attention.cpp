@@ -160,15 +160,24 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
   const int64_t per_item = kv_heads / split;
   const int64_t rows = per_item * group;  // the query heads of one item
   const int64_t width = per_item * d;     // the item's part of a cache row
-  // The K (then V) rows are gathered a chunk of blocks at a time and each query head then runs
-  // over the whole chunk: a long run of independent rows keeps many cache misses in flight
-  // (the blocks are scattered), and a bfloat16 chunk converted once fits in L2.
+  // The K (then V) rows are gathered a chunk of blocks at a time (a bfloat16 chunk converted
+  // once fits in L2) and walked TILE rows at a time, every query head of the item over each
+  // tile in turn, so a tile's rows serve all the heads from L1. The blocks are scattered and
+  // each spans a few pages, where the hardware prefetchers stop: the rows AHEAD further on
+  // (K's, then V's) are prefetched into L2 as the walk goes, a tile's worth at each tile, so
+  // their misses overlap the work on the rows before them (small tiles spread the prefetches
+  // out; a larger tile or distance, or none, measured slower: benchmarks/decode_attention.py).
+  // Each head's floats are the same, operation for operation, as a walk of that head over all
+  // the keys at once (tiles and chunks start at multiples of 4 keys, scores_of_row's step).
+  constexpr int64_t TILE = 4, AHEAD = 32;
   const int64_t chunk_blocks = std::max<int64_t>(1, 256 / block_size);
   const int64_t chunk = chunk_blocks * block_size;
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(C));
   at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rows * d), acc(rows * d), scores, total(rows);
     std::vector<float> buf(std::is_same_v<C, float> ? 0 : chunk * width);  // converted rows
     std::vector<const float*> chunk_rows(chunk);
+    std::vector<const C*> src;  // the item's K rows, then its V rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / split, h0 = item % split * per_item, end_key = seq_lens[b];
       // keys start .. end_key - 1: all of them, or a sliding window's last ones (the blocks
@@ -176,22 +185,37 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
       const int64_t start = window > 0 ? std::max<int64_t>(0, end_key - window) : 0;
       const int64_t n = end_key - start;
       const int64_t* blocks = block_tables + b * max_blocks;
+      // key start + i is row (start + i) % block_size of block blocks[(start + i) / block_size]
+      src.resize(2 * n);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = start + i, at = (blocks[t / block_size] * block_size +
+                                           t % block_size) * kv + h0 * d;
+        src[i] = k_cache + at;
+        src[n + i] = v_cache + at;
+      }
+      int64_t fetched = 0;  // src rows prefetched so far
+      auto prefetch_to = [&](int64_t row) {
+        for (const int64_t stop = std::min(row, 2 * n); fetched < stop; ++fetched)
+          for (int64_t byte = 0; byte < row_bytes; byte += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(src[fetched]) + byte, 0, 2);
+      };
       convert(q + (b * heads + h0 * group) * d, qf.data(), rows * d);
       scale_by(qf.data(), scale, rows * d);
       scores.resize(rows * n);
-      // f(first, count, rows) for each chunk of the keys (first counted from start): rows[i]
+      // f(first, count, rows) for each tile of the keys (first counted from start): rows[i]
       // is key start + first + i's row of the item's KV heads as float32, read in place or
-      // converted into buf. Key t is row t % block_size of block blocks[t / block_size],
-      // walked block by block.
-      auto for_each_chunk = [&](const C* cache, auto&& f) {
-        for (int64_t first = 0; first < n; first += chunk) {
-          const int64_t count = std::min(chunk, n - first), t0 = start + first;
-          for (int64_t i = 0, j = t0 / block_size, r = t0 % block_size; i < count; ++j, r = 0) {
-            const C* base = cache + blocks[j] * block_size * kv + h0 * d;
-            for (; r < block_size && i < count; ++r, ++i)
-              chunk_rows[i] = as_float(base + r * kv, buf.data() + i * width, width);
+      // converted into buf; `base` 0 for K, n for V
+      auto for_each_tile = [&](int64_t base, auto&& f) {
+        for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+          const int64_t count = std::min(chunk, n - c0);
+          for (int64_t i = 0; i < count; ++i) {
+            if (!std::is_same_v<C, float>) prefetch_to(base + c0 + i + AHEAD);
+            chunk_rows[i] = as_float(src[base + c0 + i], buf.data() + i * width, width);
           }
-          f(first, count, chunk_rows.data());
+          for (int64_t t = 0; t < count; t += TILE) {
+            prefetch_to(base + c0 + t + TILE + AHEAD);
+            f(c0 + t, std::min(TILE, count - t), chunk_rows.data() + t);
+          }
         }
       };
       // f(r, o) for each query head r of the item, o the offset of its KV head in a row
@@ -200,7 +224,7 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
           for (int64_t g = 0; g < group; ++g, ++r) f(r, h * d);
       };
       // scores[r, t] = q_r . k_t
-      for_each_chunk(k_cache, [&](int64_t first, int64_t count, const float* const* k) {
+      for_each_tile(0, [&](int64_t first, int64_t count, const float* const* k) {
         for_each_head([&](int64_t r, int64_t o) {
           scores_of_row(qf.data() + r * d, k, o, count, d, scores.data() + r * n + first);
         });
@@ -213,7 +237,7 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
       }
       // acc[r] = sum_t p[r, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_chunk(v_cache, [&](int64_t first, int64_t count, const float* const* v) {
+      for_each_tile(n, [&](int64_t first, int64_t count, const float* const* v) {
         for_each_head([&](int64_t r, int64_t o) {
           weighted_sum(scores.data() + r * n + first, v, o, count, d, acc.data() + r * d);
         });
