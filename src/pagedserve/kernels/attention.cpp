@@ -166,9 +166,9 @@ void paged_decode_attention_rows(const Q* q, const C* k_cache, const C* v_cache,
   // each spans a few pages, where the hardware prefetchers stop: the rows AHEAD further on
   // (K's, then V's) are prefetched into L2 as the walk goes, a tile's worth at each tile, so
   // their misses overlap the work on the rows before them (small tiles spread the prefetches
-  // out; a larger tile or distance, or none, measured slower: benchmarks/decode_attention.py).
-  // Each head's floats are the same, operation for operation, as a walk of that head over all
-  // the keys at once (tiles and chunks start at multiples of 4 keys, scores_of_row's step).
+  // out; larger tiles, or no prefetch, measured slower: benchmarks/decode_attention.py). A
+  // head's floats do not depend on the tile size: tiles start at multiples of 4 keys into a
+  // chunk, scores_of_row's step, and each head's value sum runs over the keys in order.
   constexpr int64_t TILE = 4, AHEAD = 32;
   const int64_t chunk_blocks = std::max<int64_t>(1, 256 / block_size);
   const int64_t chunk = chunk_blocks * block_size;
