@@ -7,7 +7,8 @@ the load generator a vLLM user already runs, so its figures read like theirs.
 
 guidellm runs in its own environment (it pins its own dependencies), one server at a time on the
 same cores: a ``concurrent`` profile of C streams, ``--requests-per-client`` x C requests of
-synthetic text (its ``synthetic_text`` data, counted with the model's tokenizer) sent to
+synthetic text (its ``synthetic_text`` data, counted with the model's tokenizer, a new seed for
+every run so that no server has seen the prompts) sent to
 ``/v1/completions`` with ``ignore_eos``. Its ITL is each request's mean gap after the first
 token, percentiles weighted by tokens; ``serving_peers.py`` also reports the strict per-gap
 percentiles, which guidellm does not. guidellm is heavier than that script's generator (a
@@ -32,14 +33,17 @@ from serving_peers import WORKLOADS, build_llama_server, servers
 
 
 def guidellm_run(guidellm: Path, url: str, tokenizer_dir: Path, prompt_len: int, out_len: int,
-                 streams: int, requests: int, out: Path, workers: int) -> dict:
-    """One guidellm benchmark; its summary figures (seconds, tokens/s)."""
+                 streams: int, requests: int, out: Path, workers: int, seed: int) -> dict:
+    """One guidellm benchmark; its summary figures (seconds, tokens/s). ``seed`` picks its
+    synthetic prompts: guidellm's default seed repeats them run after run, and a server that
+    keeps earlier prompts' KV (llama-server's slots, a prefix cache) then skips their prefill."""
     cmd = [str(guidellm), "run",
            "--backend", f"kind=openai_http,target={url},model=m,request_format=/v1/completions",
            "--profile", f"kind=concurrent,streams={streams}",
            "--constraint", f"kind=max_requests,count={requests}",
            "--data", f"kind=synthetic_text,prompt_tokens={prompt_len},output_tokens={out_len}",
            "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
+           "--seed", f"kind=static,value={seed}",
            "--output", f"kind=json,path={out}", "--disable-console"]
     t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": str(workers)}
@@ -47,12 +51,16 @@ def guidellm_run(guidellm: Path, url: str, tokenizer_dir: Path, prompt_len: int,
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # guidellm and its worker processes
     client_cpu = ((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
                   / (time.perf_counter() - t0))
-    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    m = bench["metrics"]
+    done = bench["requests"]["successful"]
 
     def ok(name):
         return m[name]["successful"]
 
     return {"completed": ok("request_latency")["count"],
+            # prompt tokens the server reported as served from its cache (should be ~0)
+            "cached_tokens": sum(r.get("cached_tokens") or 0 for r in done) / max(1, len(done)),
             "errored": m["request_latency"]["errored"]["count"],
             "output_tok_s": ok("output_tokens_per_second")["mean"],
             "ttft_p50": ok("time_to_first_token_ms")["percentiles"]["p50"] / 1e3,
@@ -105,11 +113,11 @@ def main() -> None:
                 "model": "m", "prompt": "Hello", "max_tokens": 8})
             for w in args.workloads:
                 prompt_len, out_len = WORKLOADS[w]
-                for c in args.concurrency:
+                for i, c in enumerate(args.concurrency):
                     load = os.getloadavg()[0]
                     row = guidellm_run(args.guidellm, server.url, tmp, prompt_len, out_len, c,
                                        c * args.requests_per_client, tmp / "run.json",
-                                       args.workers)
+                                       args.workers, seed=1000 * i + c)
                     row.update(server=name, workload=w, concurrency=c, load_avg=load)
                     rows.append(row)
                     print(f"| {w} | {name} | {c} | {load:.1f} | {row['output_tok_s']:.1f} | "
