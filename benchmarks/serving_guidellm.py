@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 from common import Server, results_path
-from serving_peers import WORKLOADS, build_llama_server, servers
+from serving_peers import WORKLOADS, build_llama_server, servers, summarize
 
 
 def guidellm_run(guidellm: Path, url: str, tokenizer_dir: Path, prompt_len: int, out_len: int,
@@ -128,18 +128,7 @@ def main() -> None:
                                                          indent=1, default=str))
         finally:
             server.stop()
-    peer = {(r["workload"], r["concurrency"]): r for r in rows if r["server"] == "llama-server"}
-    print("\n| workload | server | concurrency | throughput vs llama-server | TTFT p50 ratio | "
-          "ITL p99 ratio |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        p = peer.get((r["workload"], r["concurrency"]))
-        if r["server"] != "llama-server" and p:
-            print(f"| {r['workload']} | {r['server']} | {r['concurrency']} | "
-                  f"{r['output_tok_s'] / p['output_tok_s']:.2f}x | "
-                  f"{r['ttft_p50'] / p['ttft_p50']:.2f} | "
-                  f"{r['itl_req_p99'] / p['itl_req_p99']:.2f} |")
-
+    summarize(rows, {"itl_req_p99": "ITL p99"})
 
 if __name__ == "__main__":
     main()

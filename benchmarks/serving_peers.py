@@ -261,21 +261,24 @@ def run_servers(args, gguf: Path, threads: int, tokenizer, rows: list[dict], rou
             server.stop()
 
 
-def summarize(rows: list[dict]) -> None:
-    """Each pagedserve mode's output throughput, TTFT p50 and ITL p99 against llama-server's
-    at the same workload and concurrency."""
+ITL_P99 = {"itl_p99": "ITL p99", "itl_req_p99": "request mean ITL p99"}
+
+
+def summarize(rows: list[dict], itl: dict[str, str] = ITL_P99) -> None:
+    """Each pagedserve mode's output throughput, TTFT p50 and the ``itl`` percentiles (row key
+    -> heading) against llama-server's at the same workload, concurrency and round."""
     peer = {(r["workload"], r["concurrency"], r.get("round", 0)): r for r in rows
             if r["server"] == "llama-server"}
     print("\n| workload | server | concurrency | throughput vs llama-server | TTFT p50 ratio | "
-          "ITL p99 ratio | request mean ITL p99 ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          + " | ".join(f"{h} ratio" for h in itl.values()) + " |")
+    print("|---|---|---:|---:|---:|" + "---:|" * len(itl))
     for r in rows:
         p = peer.get((r["workload"], r["concurrency"], r.get("round", 0)))
         if r["server"].startswith("pagedserve") and p:
             print(f"| {r['workload']} | {r['server']} | {r['concurrency']} | "
                   f"{r['output_tok_s'] / p['output_tok_s']:.2f}x | "
-                  f"{r['ttft_p50'] / p['ttft_p50']:.2f} | {r['itl_p99'] / p['itl_p99']:.2f} | "
-                  f"{r['itl_req_p99'] / p['itl_req_p99']:.2f} |")
+                  f"{r['ttft_p50'] / p['ttft_p50']:.2f} | "
+                  + " | ".join(f"{r[k] / p[k]:.2f}" for k in itl) + " |")
     print("(ratios of times: below 1 is better for pagedserve)")
 
 

@@ -213,8 +213,7 @@ class SpinThrottle:
             self._stop.wait()
             release_openmp_threads()
 
-        thread = threading.Thread(target=run, name="pagedserve-spin-throttle",
-                                        daemon=True)
+        thread = threading.Thread(target=run, name="pagedserve-spin-throttle", daemon=True)
         try:
             thread.start()
         except RuntimeError as e:  # no thread to be had: a step must not fail for this
