@@ -410,6 +410,47 @@ def test_gated_packed_linear_is_swiglu(ops, shape):
         ops.packed_linear(x, packed, torch.zeros(inter), inter, None, True)
 
 
+@pytest.mark.parametrize("shape", [(1, 96, 48), (3, 96, 100), (9, 40, 7), (17, 64, 145),
+                                   (600, 576, 50), (3865, 1536, 48), (0, 96, 48)])
+def test_packed_linear_bf16_matches_a_float_product(ops, shape):
+    """bfloat16 x @ W.T over W packed in panels of pairs: float32 accumulation of the exact
+    bf16 x bf16 products (close to a float64 product), a bfloat16 result that is the float32
+    one rounded, and each row's result the same whatever rows share the call (tiles of 8 and
+    row blocks over 1 MB: 3865 x 1536)."""
+    from pagedserve.model.linear import pack_bf16_weight
+
+    m, k, n = shape
+    torch.manual_seed(6)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
+    packed = pack_bf16_weight(w.float())
+    assert packed.shape == (-(-n // 48), k // 2, 48, 2) and packed.dtype == torch.bfloat16
+    assert torch.equal(packed.transpose(1, 2).reshape(-1, k)[:n], w)  # pairs of row 48 p + j
+    out = ops.packed_linear_bf16(x, packed, n, torch.float32)
+    expect = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5 * k ** 0.5)
+    assert torch.equal(ops.packed_linear_bf16(x, packed, n, torch.bfloat16), out.bfloat16())
+    if m > 9:
+        assert torch.equal(ops.packed_linear_bf16(x[5:9], packed, n, torch.float32), out[5:9])
+        assert torch.equal(ops.packed_linear_bf16(x[m - 1:], packed, n, torch.float32), out[m - 1:])
+
+
+def test_packed_linear_bf16_refuses_bad_shapes(ops):
+    from pagedserve.model.linear import pack_bf16_weight
+
+    packed = pack_bf16_weight(torch.randn(100, 32))
+    x = torch.randn(2, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.packed_linear_bf16(x, packed, 200, torch.float32)
+    with pytest.raises(RuntimeError, match="with x's K"):
+        ops.packed_linear_bf16(torch.randn(2, 34).bfloat16(), packed, 100, torch.float32)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        ops.packed_linear_bf16(x.float(), packed, 100, torch.float32)
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        ops.packed_linear_bf16(x, packed, 100, torch.float16)
+    with pytest.raises(ValueError, match="even number"):
+        pack_bf16_weight(torch.randn(4, 33))
+
+
 def test_packed_linear_refuses_bad_shapes(ops):
     from pagedserve.model.linear import pack_linear_weight
 

@@ -56,29 +56,41 @@ def test_other_weights_stay_within_half_a_step():
     assert torch.equal(layer.dense[3, :32].float(), torch.full((32,), 0.25))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "int4_linear"])
+@pytest.mark.parametrize("kernel", ["torch", "int4_linear", "packed_bf16"])
 @pytest.mark.parametrize("dense_dtype", [torch.bfloat16, torch.float32])
-def test_kernel_and_dequantized_copy_agree(dense_dtype, kernel):
+def test_kernel_and_dequantized_copy_agree(dense_dtype, kernel, monkeypatch):
     """The copy holds the same bfloat16 weights in either dtype (float32 where the CPU has no
     bfloat16 matmul unit); more rows than SMALL_ROWS multiply by it. Up to SMALL_ROWS rows
-    take torch's int4 kernel, or with the CPU kernels ``int4_linear``."""
+    take torch's int4 kernel, or with the CPU kernels ``int4_linear``. Where the bfloat16 copy
+    is packed for ``packed_linear_bf16`` (forced here), it serves from PACKED_SMALL_ROWS + 1
+    rows, each row's result independent of the others."""
     from pagedserve import kernels
+    from pagedserve.model import quant
 
-    ops = kernels.load() if kernel == "int4_linear" else None
-    if kernel == "int4_linear" and ops is None:
+    ops = kernels.load() if kernel != "torch" else None
+    if kernel != "torch" and ops is None:
         pytest.skip("no CPU kernels")
+    monkeypatch.setattr(quant, "packed_bf16", lambda ops: ops is not None and kernel == "packed_bf16")
     w = torch.randn(208, 64)
     layer = Int4Linear.from_weight(w, dense_dtype, ops=ops)
     assert (layer.packed if ops is None else layer.codes) is not None
-    assert layer.dense.dtype == dense_dtype
-    assert torch.equal(layer.dense, layer.dense.bfloat16().to(dense_dtype))
+    ref = layer if ops is None else Int4Linear.from_weight(w, dense_dtype)  # its plain copy
+    packed = kernel == "packed_bf16" and dense_dtype == torch.bfloat16
+    assert (layer.dense is None) == packed and (layer.dense_packed is not None) == packed
+    assert torch.equal(layer.dequantized(), ref.dense.float())
+    assert ref.dense.dtype == dense_dtype
+    assert torch.equal(ref.dense, ref.dense.bfloat16().to(dense_dtype))
     x = torch.randn(40, 64)
-    dense = F.linear(x.bfloat16().to(dense_dtype), layer.dense).bfloat16().float()
+    dense = F.linear(x.bfloat16().to(dense_dtype), ref.dense).bfloat16().float()
     # the kernel rounds the output to bfloat16, the copy's product may not: <= 2^-8 sum |x w|
-    bound = 2 ** -7 * (x.bfloat16().float().abs() @ layer.dense.float().abs().t())
-    for rows in (1, 2, 7, SMALL_ROWS):
+    bound = 2 ** -7 * (x.bfloat16().float().abs() @ ref.dense.float().abs().t())
+    for rows in (1, 2, 3, 4, 7, SMALL_ROWS, 40):
         assert ((layer(x[:rows]) - dense[:rows]).abs() <= bound[:rows]).all()
-    assert torch.equal(layer(x), dense)  # more rows: the copy itself
+    if packed:  # a row's product does not depend on the rows beside it
+        assert torch.equal(layer(x)[:4], layer(x[:quant.PACKED_SMALL_ROWS + 1]))
+        assert torch.equal(layer(x)[4:17], layer(x[4:17]))
+    else:
+        assert torch.equal(layer(x), dense)  # more rows: the copy itself
     assert layer(x.bfloat16()).dtype == torch.bfloat16
     if ops is not None:
         return
@@ -152,6 +164,8 @@ def test_prefix_hits_and_preemption_keep_the_tokens(tiny_llama, monkeypatch, sma
     either matmul path forced. (Mixing the paths by batch size makes tokens batch-dependent
     like any reduced precision: the kernel's fp32 weights against the copy's bf16 ones.)"""
     monkeypatch.setattr("pagedserve.model.quant.SMALL_ROWS", small_rows)
+    monkeypatch.setattr("pagedserve.model.quant.PACKED_SMALL_ROWS", small_rows)
+    monkeypatch.setattr("pagedserve.model.layers.HEAD_Q8_ROWS", small_rows)
     prompts, params = shared_prefix_workload(16)
     plain = LLM(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=1024, block_size=4,
                 enable_prefix_caching=False, quantization="int4")
@@ -175,7 +189,7 @@ def test_q4_1_gguf_loads_with_int4_layers(tmp_path):
     layer = q4.llm_engine.model.layers[0].mlp.down_proj
     assert isinstance(layer, Int4Linear)
     # exact but for the bfloat16 rounding of each group's scale and offset
-    assert (layer.dense.float() - w).abs().max() <= 2 ** -8 * 9 * w.abs().max()
+    assert (layer.dequantized() - w).abs().max() <= 2 ** -8 * 9 * w.abs().max()
 
 
 def test_generate_cli_takes_quantization(tiny_llama, capsys):
@@ -205,3 +219,36 @@ def test_q8_0_weights_are_repacked_exactly():
     q8, scales = quantize_q8_0(other)
     back = (q8.view(8, 2, 32).float() * scales[..., None]).view(8, 64)
     assert ((back - other).abs() <= scales.repeat_interleave(32, 1) / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("bf16_unit", [False, True], ids=["q8-then-float32", "q8-then-bf16"])
+def test_int4_lm_head_takes_the_8_bit_copy_for_few_rows(monkeypatch, bf16_unit):
+    """The int4 mode's LM head: up to SMALL_ROWS rows through the 8-bit copy (int8_linear),
+    more through the float32 panels; where the packed bfloat16 kernel is used (forced here),
+    the bfloat16 panels from HEAD_Q8_ROWS + 1 rows. Every form is close to the float head."""
+    from pagedserve import kernels
+    from pagedserve.model import layers
+
+    ops = kernels.load()
+    if ops is None:
+        pytest.skip("no CPU kernels")
+    monkeypatch.setattr(layers, "packed_bf16", lambda ops: bf16_unit)
+    head = layers.LMHead(100, 64, tied=False,
+                         options=layers.LinearOptions(ops=ops, quantization="int4"))
+    torch.manual_seed(7)
+    w = torch.randn(100, 64)
+    head.weight.data = w.clone()
+    head.finish_loading(torch.nn.Embedding(100, 64))
+    assert (head.packed_bf16 is not None) == bf16_unit
+    x = torch.randn(20, 64)
+    bound = 2 ** -6 * (x.abs() @ w.abs().t())  # 8-bit weights or bfloat16 inputs and weights
+    for rows in (1, layers.HEAD_Q8_ROWS, layers.HEAD_Q8_ROWS + 1, SMALL_ROWS, 20):
+        out = head(x[:rows])
+        assert out.dtype == torch.float32 and ((out - x[:rows] @ w.t()).abs() <= bound[:rows]).all()
+        if rows <= layers.HEAD_Q8_ROWS or (not bf16_unit and rows <= SMALL_ROWS):
+            assert torch.equal(out, ops.int8_linear(x[:rows], *head.q8))
+        elif bf16_unit:
+            assert torch.equal(out, ops.packed_linear_bf16(x[:rows].bfloat16(), head.packed_bf16,
+                                                           100, torch.float32))
+        else:
+            assert torch.equal(out, ops.packed_linear(x[:rows], head.packed, None, 100))

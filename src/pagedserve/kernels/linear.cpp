@@ -240,58 +240,76 @@ void linear_tile(const float* a, const float* panel, int64_t k, float* c, int64_
   }
 }
 
-// out [m, n] = x [m, k] @ W.T (+ bias [n]), W packed as [P, k, PANEL] panels (see above); or,
-// gated, out [m, n] = silu(x @ gate.T) * (x @ up.T) with HALF_PANEL gate columns and their up
-// columns per panel. Work items are (block of rows, panel) pairs, split over threads; a row
-// block stays in L2 while the thread's panels stream past it.
-inline void packed_linear_rows(const float* x, const float* packed, const float* bias,
-                               float* out, int64_t m, int64_t k, int64_t n, int64_t panels,
-                               bool gated) {
-  const int64_t per_panel = gated ? HALF_PANEL : PANEL;  // output columns of one panel
+// The work split of the packed kernels: items are (block of rows, panel) pairs, split over
+// threads; a row block stays in L2 while the thread's panels stream past it. For each tile of
+// up to TILE_ROWS rows of an item, tile(r0, rows, p, pf, pf_lines) multiplies rows r0 ..
+// r0 + rows - 1 by panel p, meanwhile prefetching pf_lines cache lines from pf on (its share
+// of the next item's panel). row_bytes: bytes of one row of x; panel_bytes: of one panel.
+template <typename Tile>
+inline void for_each_panel_tile(int64_t m, int64_t row_bytes, const char* packed,
+                                int64_t panels, int64_t panel_bytes, Tile&& tile) {
   // as few row blocks as keep each under ~1 MB (in L2 beside a panel), of equal size: every
   // block streams the whole weight once
-  const int64_t wanted = std::max<int64_t>(1, (m * k * 4 + (1 << 20) - 1) >> 20);
+  const int64_t wanted = std::max<int64_t>(1, (m * row_bytes + (1 << 20) - 1) >> 20);
   const int64_t block_rows = ((m + wanted - 1) / wanted + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
   const int64_t blocks = (m + block_rows - 1) / block_rows;  // rounding may leave fewer: none empty
-  const int64_t panel_size = k * PANEL;
   at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t blk = item / panels, p = item % panels;
       const int64_t r_begin = blk * block_rows, r_end = std::min(m, r_begin + block_rows);
       const int64_t tiles = (r_end - r_begin + TILE_ROWS - 1) / TILE_ROWS;
-      const int cols = static_cast<int>(std::min<int64_t>(per_panel, n - p * per_panel));
-      const float* panel = packed + p * panel_size;
       // the tiles of this panel share the prefetch of the next item's panel
       const bool prefetch = item + 1 < end;
-      const char* next = reinterpret_cast<const char*>(packed + ((item + 1) % panels) * panel_size);
-      const int64_t next_lines = (panel_size * 4 + 63) / 64, per_tile = (next_lines + tiles - 1) / tiles;
+      const char* next = packed + ((item + 1) % panels) * panel_bytes;
+      const int64_t next_lines = (panel_bytes + 63) / 64, per_tile = (next_lines + tiles - 1) / tiles;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t r0 = r_begin + t * TILE_ROWS, rows = std::min<int64_t>(TILE_ROWS, r_end - r0);
         const int64_t first = t * per_tile;
         const int64_t pf_lines = prefetch ? std::max<int64_t>(0, std::min(per_tile, next_lines - first)) : 0;
-        const char* pf = next + 64 * first;
-        const float* a = x + r0 * k;
-        float* c = out + r0 * n + p * per_panel;
-        const float* b = bias ? bias + p * PANEL : nullptr;
-        auto tile = [&](auto gated_tag) {
-          constexpr bool G = decltype(gated_tag)::value;
-          switch (rows) {
-            case 8: return linear_tile<8, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-            case 7: return linear_tile<7, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-            case 6: return linear_tile<6, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-            case 5: return linear_tile<5, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-            case 4: return linear_tile<4, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-            case 3: return linear_tile<3, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-            case 2: return linear_tile<2, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-            default: return linear_tile<1, G>(a, panel, k, c, n, cols, b, pf, pf_lines);
-          }
-        };
-        if (gated)
-          tile(std::true_type{});
-        else
-          tile(std::false_type{});
+        tile(r0, rows, p, next + 64 * first, pf_lines);
       }
     }
+  });
+}
+
+// Calls f(std::integral_constant<int, rows>) for rows in 1 .. TILE_ROWS: a tile's row count
+// as a template argument, so that its accumulators are a fixed set of registers.
+template <typename F>
+inline void with_tile_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+static_assert(TILE_ROWS == 8, "with_tile_rows covers 1 .. 8 rows");
+
+// out [m, n] = x [m, k] @ W.T (+ bias [n]), W packed as [P, k, PANEL] panels (see above); or,
+// gated, out [m, n] = silu(x @ gate.T) * (x @ up.T) with HALF_PANEL gate columns and their up
+// columns per panel.
+inline void packed_linear_rows(const float* x, const float* packed, const float* bias,
+                               float* out, int64_t m, int64_t k, int64_t n, int64_t panels,
+                               bool gated) {
+  const int64_t per_panel = gated ? HALF_PANEL : PANEL;  // output columns of one panel
+  const int64_t panel_size = k * PANEL;
+  for_each_panel_tile(m, k * 4, reinterpret_cast<const char*>(packed), panels, panel_size * 4,
+                      [&](int64_t r0, int64_t rows, int64_t p, const char* pf, int64_t pf_lines) {
+    const int cols = static_cast<int>(std::min<int64_t>(per_panel, n - p * per_panel));
+    const float* panel = packed + p * panel_size;
+    const float* a = x + r0 * k;
+    float* c = out + r0 * n + p * per_panel;
+    const float* b = bias ? bias + p * PANEL : nullptr;
+    with_tile_rows(rows, [&](auto mr) {
+      if (gated)
+        linear_tile<decltype(mr)::value, true>(a, panel, k, c, n, cols, b, pf, pf_lines);
+      else
+        linear_tile<decltype(mr)::value, false>(a, panel, k, c, n, cols, b, pf, pf_lines);
+    });
   });
 }
 
@@ -327,6 +345,92 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
   packed_linear_rows(xc.data_ptr<float>(), packed.data_ptr<float>(),
                      bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, k, n,
                      packed.size(0), gated);
+  return out;
+}
+
+// ---- packed_linear_bf16: bfloat16 x @ W.T with W bfloat16, prepacked in panels of pairs ----
+//
+// W [N, K] (K even) is stored as [P, K / 2, PANEL, 2]: for each input pair i, panel p holds
+// (W[c, 2i], W[c, 2i + 1]) for its PANEL output columns c, so one 64-byte load gives 16
+// columns' pairs and one vdpbf16ps (AVX512-BF16) multiplies them by a row's broadcast pair,
+// accumulating in float32. The register tiling and the work split are packed_linear's. Unlike
+// a oneDNN bfloat16 matmul it never re-packs the weight per call, which for the 13-64 rows of
+// a batched decode step costs more than the multiply (docs/performance.md).
+
+// c [MR, cols] (row stride ldc) = a [MR, k] @ panel, in OutT (float, or bfloat16 rounded to
+// nearest even); pf as in linear_tile.
+template <int MR, typename OutT>
+void bf16_tile(const uint16_t* a, const uint16_t* panel, int64_t k, OutT* c, int64_t ldc,
+               int cols, const char* pf, int64_t pf_lines) {
+  F32x16 acc[MR][3];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = acc[r][2] = F32x16::zero();
+  const int64_t pairs = k / 2;
+  int64_t pf_acc = 0;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint16_t* w = panel + i * 2 * PANEL;
+    const BF16Pairs b0 = BF16Pairs::load(w), b1 = BF16Pairs::load(w + 32),
+                    b2 = BF16Pairs::load(w + 64);
+    for (pf_acc += pf_lines; pf_acc >= pairs; pf_acc -= pairs, pf += 64) __builtin_prefetch(pf, 0, 2);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      uint32_t x;
+      std::memcpy(&x, a + r * k + 2 * i, 4);
+      acc[r][0] = dot_pairs(acc[r][0], x, b0);
+      acc[r][1] = dot_pairs(acc[r][1], x, b1);
+      acc[r][2] = dot_pairs(acc[r][2], x, b2);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if constexpr (std::is_same_v<OutT, float>) {
+      for (int j = 0; j < 3; ++j) acc[r][j].store(c + r * ldc + 16 * j, cols - 16 * j);
+    } else {
+      float buf[PANEL];
+      for (int j = 0; j < 3; ++j) acc[r][j].store(buf + 16 * j);
+      for (int j = 0; j < cols; ++j) c[r * ldc + j] = static_cast<OutT>(buf[j]);
+    }
+  }
+}
+
+// x [M, K] bfloat16 -> [M, N] of out_dtype (float32 or bfloat16) = x @ W.T, W bfloat16 packed
+// as [P, K / 2, PANEL, 2] with P = ceil(N / PANEL) (see above), float32 accumulation. A row's
+// result does not depend on the other rows.
+Tensor packed_linear_bf16(const Tensor& x, const Tensor& packed, int64_t n,
+                          at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0,
+              "packed_linear_bf16: x must be bfloat16 [M, K] with K even");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(1) * 2 == k &&
+                  packed.size(2) == PANEL && packed.size(3) == 2,
+              "packed_linear_bf16: packed must be contiguous bfloat16 [P, K / 2, ", PANEL,
+              ", 2] with x's K");
+  TORCH_CHECK(n > (packed.size(0) - 1) * PANEL && n <= packed.size(0) * PANEL,
+              "packed_linear_bf16: n=", n, " does not fit ", packed.size(0), " panels");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+              "packed_linear_bf16: out_dtype must be float32 or bfloat16");
+  Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0);
+  Tensor out = at::empty({m, n}, xc.options().dtype(out_dtype));
+  if (m == 0) return out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t panel_size = k * PANEL;
+  auto run = [&](auto* o) {
+    for_each_panel_tile(m, k * 2, reinterpret_cast<const char*>(wp), packed.size(0),
+                        panel_size * 2,
+                        [&](int64_t r0, int64_t rows, int64_t p, const char* pf, int64_t pf_lines) {
+      const int cols = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
+      with_tile_rows(rows, [&](auto mr) {
+        bf16_tile<decltype(mr)::value>(xp + r0 * k, wp + p * panel_size, k, o + r0 * n + p * PANEL,
+                                       n, cols, pf, pf_lines);
+      });
+    });
+  };
+  if (out_dtype == at::kFloat)
+    run(out.data_ptr<float>());
+  else
+    run(out.data_ptr<at::BFloat16>());
   return out;
 }
 

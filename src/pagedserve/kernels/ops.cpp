@@ -19,6 +19,7 @@ TORCH_LIBRARY(OPS_NAMESPACE, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scale_zero) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n, "
         "Tensor(a!)? out_buffer=None, bool gated=False) -> Tensor(a)");
+  m.def("packed_linear_bf16(Tensor x, Tensor packed, int n, ScalarType out_dtype) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "ScalarType q_dtype) -> Tensor");
@@ -45,6 +46,7 @@ TORCH_LIBRARY_IMPL(OPS_NAMESPACE, CPU, m) {
   m.impl("int8_linear", &OPS_NAMESPACE::int8_linear);
   m.impl("int4_linear", &OPS_NAMESPACE::int4_linear);
   m.impl("packed_linear", &OPS_NAMESPACE::packed_linear);
+  m.impl("packed_linear_bf16", &OPS_NAMESPACE::packed_linear_bf16);
   m.impl("rotary_write_kv", &OPS_NAMESPACE::rotary_write_kv);
   m.impl("paged_decode_attention", &OPS_NAMESPACE::paged_decode_attention);
   m.impl("paged_prefill_attention", &OPS_NAMESPACE::paged_prefill_attention);

@@ -50,5 +50,7 @@ Tensor int8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales)
 Tensor int4_linear(const Tensor& x, const Tensor& codes, const Tensor& scale_zero);
 Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
                      int64_t n, const std::optional<Tensor>& out_buffer, bool gated);
+Tensor packed_linear_bf16(const Tensor& x, const Tensor& packed, int64_t n,
+                          at::ScalarType out_dtype);
 
 }  // namespace OPS_NAMESPACE

@@ -231,6 +231,45 @@ struct F32x16 {
 
 #endif
 
+// 16 pairs of bfloat16 weights (32 values, 64 bytes; pair l feeds output lane l), for dot
+// products with a pair of bfloat16 activations (packed_linear_bf16). With AVX512-BF16 the
+// pairs stay packed for ``vdpbf16ps``; elsewhere they are widened once per load, even and odd
+// members apart, so that every row of a tile reuses them.
+struct BF16Pairs {
+#if defined(__AVX512BF16__)
+  __m512i v;
+  static VEC_INLINE BF16Pairs load(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
+#else
+  F32x16 even, odd;
+  static VEC_INLINE BF16Pairs load(const uint16_t* p) {
+    float e[16], o[16];
+    for (int l = 0; l < 16; ++l) {
+      const uint32_t lo = static_cast<uint32_t>(p[2 * l]) << 16,
+                     hi = static_cast<uint32_t>(p[2 * l + 1]) << 16;
+      __builtin_memcpy(&e[l], &lo, 4);
+      __builtin_memcpy(&o[l], &hi, 4);
+    }
+    return {F32x16::load(e), F32x16::load(o)};
+  }
+#endif
+};
+
+// acc[l] + x0 * w.even[l] + x1 * w.odd[l], for the bfloat16 pair x (x0 in its low 16 bits):
+// the products are exact in float32, the sums rounded to float32 (``vdpbf16ps``, or two
+// FMAs elsewhere; the two may round differently, each the same for every row)
+VEC_INLINE F32x16 dot_pairs(F32x16 acc, uint32_t x, BF16Pairs w) {
+#if defined(__AVX512BF16__)
+  return {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)),
+                           (__m512bh)w.v)};
+#else
+  const uint32_t lo = x << 16, hi = x & 0xFFFF0000u;
+  float x0, x1;
+  __builtin_memcpy(&x0, &lo, 4);
+  __builtin_memcpy(&x1, &hi, 4);
+  return fma(F32x16::set1(x1), w.odd, fma(F32x16::set1(x0), w.even, acc));
+#endif
+}
+
 // 16 int4 codes (see load_uint4) as float code - 8, the signed value of a symmetric code
 VEC_INLINE F32x16 load_int4(const uint8_t* p) {
   return F32x16::load_uint4(p) + F32x16::set1(-8.f);

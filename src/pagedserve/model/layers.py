@@ -30,8 +30,17 @@ from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import SINGLE, TPGroup
 from pagedserve.kv.cache import LayerKVCache
 from pagedserve.model import quant
-from pagedserve.model.linear import PANEL, Linear, PackedLinear, pack_linear_weight
+from pagedserve.model.linear import (
+    PANEL,
+    Linear,
+    PackedLinear,
+    pack_bf16_weight,
+    pack_linear_weight,
+    packed_bf16,
+)
 from pagedserve.model.quant import Int4Linear, check_quantization, quantize_q8_0
+
+HEAD_Q8_ROWS = 4  # int8_linear against packed_linear_bf16 for the LM head (measured crossover)
 
 
 @dataclass
@@ -190,7 +199,10 @@ class LMHead(nn.Module):
       copy dropped (a tied embedding then looks its rows up in the packed one: ``rows``);
     - with the kernels and int4 layers, also an int8 copy (GGUF's Q8_0 layout,
       quant.quantize_q8_0) for up to quant.SMALL_ROWS rows: a decode step of a few sequences
-      reads a quarter of the bytes.
+      reads a quarter of the bytes. Where ``linear.packed_bf16`` holds, a bfloat16 copy in
+      the panels of ``packed_linear_bf16`` takes over from ``HEAD_Q8_ROWS + 1`` rows
+      (int8_linear's per-group work grows with the rows; the bfloat16 kernel reads half the
+      float32 bytes: docs/performance.md).
 
     ``weight`` [rows, H] is its own (loaded as ``lm_head.weight``) or, when ``tied``, None:
     the embedding's is given to ``finish_loading``.
@@ -206,6 +218,7 @@ class LMHead(nn.Module):
         self.with_q8 = options.ops is not None and options.quantization is not None
         self.packed: torch.Tensor | None = None  # [rows / PANEL, H, PANEL]
         self.q8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 [rows, H], scales
+        self.packed_bf16: torch.Tensor | None = None  # [rows / PANEL, H / 2, PANEL, 2]
         self.float_weight: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None  # forward(reuse=True)
 
@@ -215,6 +228,8 @@ class LMHead(nn.Module):
         weight = owner.weight.detach()
         if self.with_q8:
             self.q8 = quantize_q8_0(weight)
+            if packed_bf16(self.ops):
+                self.packed_bf16 = pack_bf16_weight(weight)
         if self.pack:
             self.packed = pack_linear_weight(weight)
             # the packed copy serves the head and, when tied, the lookup: drop the float one
@@ -226,7 +241,11 @@ class LMHead(nn.Module):
         """``reuse``: the packed head may write into a buffer it keeps (a fresh [256, 49152]
         tensor costs page faults every step); the result is then valid only until the next
         call with ``reuse``."""
-        if self.q8 is not None and hidden.shape[0] <= quant.SMALL_ROWS:
+        rows = hidden.shape[0]
+        if self.packed_bf16 is not None and rows > HEAD_Q8_ROWS:
+            return self.ops.packed_linear_bf16(hidden.bfloat16(), self.packed_bf16,
+                                               self.num_rows, torch.float32)
+        if self.q8 is not None and rows <= quant.SMALL_ROWS:
             return self.ops.int8_linear(hidden.float(), *self.q8)
         if self.packed is None:
             return F.linear(hidden, self.float_weight).float()
@@ -249,7 +268,7 @@ class LMHead(nn.Module):
 
     def nbytes(self) -> int:
         """Bytes of the forms built from the weight (the parameters are counted apart)."""
-        tensors = [self.packed, *(self.q8 or ())]
+        tensors = [self.packed, self.packed_bf16, *(self.q8 or ())]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

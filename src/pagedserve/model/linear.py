@@ -9,7 +9,8 @@ constructor chooses the kinds (``LinearOptions.linear``), loading finishes them.
 - ``PackedLinear``: float32 weights kept only as the column panels of the CPU kernel
   ``packed_linear`` (register-blocked, no per-call re-pack of the weight as a BLAS call does);
   ``gated=True`` computes SwiGLU in the matmul's epilogue. With ``prefill_dtype`` bfloat16 it
-  also keeps a bfloat16 copy of the weight for the rows of prompt tokens (below).
+  also keeps a bfloat16 copy of the weight for the rows of prompt tokens (below), packed
+  the same way for ``packed_linear_bf16`` where ``packed_bf16`` says so.
 - ``Int4Linear`` (model/quant.py): 4-bit groups of 32 with bfloat16 scales and offsets.
 """
 
@@ -21,7 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.cpu import matrix_unit
+
 PANEL = 48  # output columns per panel of a packed weight (PANEL in kernels/linear.cpp)
+
+
+def packed_bf16(ops) -> bool:
+    """Whether bfloat16 matmuls run the CPU kernel ``packed_linear_bf16`` over a weight
+    packed once (pack_bf16_weight) instead of oneDNN over the [out, in] copy: with the kernels
+    on a CPU whose bfloat16 unit is AVX512-BF16 (Zen 4, Cooper Lake), where it measured 1.1x
+    oneDNN's rate at 512 rows and 2.3x at 16 (docs/performance.md). With AMX, oneDNN's tiles
+    keep the matmul."""
+    return ops is not None and matrix_unit() == "avx512_bf16"
 
 
 class Linear(nn.Module):
@@ -53,6 +65,19 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (K even) -> bfloat16 [ceil(N / PANEL), K / 2, PANEL, 2]: the column panels of
+    ``packed_linear_bf16``, each input pair's two weights side by side for ``vdpbf16ps`` (the
+    last panel zero-padded). Raises ValueError for an odd K."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"pack_bf16_weight needs an even number of input features, got {k}")
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
 def pack_gated_weight(weight: torch.Tensor) -> torch.Tensor:
     """A SwiGLU gate|up weight [2I, K] (gate rows first) -> [ceil(I / H), K, PANEL] with
     H = PANEL // 2: each panel holds H gate columns then the H matching up columns (zero-padded
@@ -77,7 +102,9 @@ class PackedLinear(Linear):
     weight in bfloat16 (``weight_bf16`` [out, in]) and multiplies the rows of the step's
     ``state.row_spans`` marked low-precision (the prompt tokens) by it, inputs rounded to
     bfloat16 and products accumulated in float32 by oneDNN on the CPU's matrix units (AMX
-    tiles, or AVX-512 BF16's ``vdpbf16ps``). Prefill is compute-bound and those units nominally
+    tiles, or AVX-512 BF16's ``vdpbf16ps``; where ``packed_bf16(ops)``, the copy is packed
+    in panels, ``packed_bf16_weight`` [P, in / 2, PANEL, 2], and multiplied by the kernel
+    ``packed_linear_bf16`` instead, with the same bfloat16 rounding of the result). Prefill is compute-bound and those units nominally
     multiply 2x (AVX-512 BF16; 1.6-1.8x measured on Zen 4) to ~16x (AMX) faster than float32
     FMAs; decode rows are bound by reading
     the weight and keep the float32 panels, so generated tokens are computed exactly as in
@@ -95,10 +122,14 @@ class PackedLinear(Linear):
         super().__init__(in_features, out_features, bias)
         self.ops, self.gated, self.state = ops, gated, state
         self.register_buffer("weight_bf16", None, persistent=False)
+        self.register_buffer("packed_bf16_weight", None, persistent=False)
 
     def finish_loading(self) -> None:
         if self.state is not None and self.state.prefill_bf16:
-            self.weight_bf16 = self.weight.detach().to(torch.bfloat16)
+            if packed_bf16(self.ops):
+                self.packed_bf16_weight = pack_bf16_weight(self.weight.detach())
+            else:
+                self.weight_bf16 = self.weight.detach().to(torch.bfloat16)
         pack = pack_gated_weight if self.gated else pack_linear_weight
         self.weight = nn.Parameter(pack(self.weight.detach()), requires_grad=False)
 
@@ -107,7 +138,11 @@ class PackedLinear(Linear):
         return self.ops.packed_linear(x, self.weight, self.bias, n, None, self.gated)
 
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight_bf16)
+        if self.packed_bf16_weight is not None:
+            y = self.ops.packed_linear_bf16(x.to(torch.bfloat16), self.packed_bf16_weight,
+                                            self.out_features, torch.bfloat16)
+        else:
+            y = F.linear(x.to(torch.bfloat16), self.weight_bf16)
         if self.gated:  # SwiGLU computed in float32, output in the step's act_dtype
             return self.ops.silu_and_mul(y, self.state.act_dtype)
         y = y.float()
@@ -115,7 +150,8 @@ class PackedLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        spans = self.state.row_spans if self.weight_bf16 is not None else None
+        low = self.weight_bf16 is not None or self.packed_bf16_weight is not None
+        spans = self.state.row_spans if low else None
         if not spans:
             y = self._packed(x2)
         elif len(spans) == 1:
@@ -127,5 +163,5 @@ class PackedLinear(Linear):
 
     def nbytes(self) -> int:
         """Bytes of the bfloat16 copy (the packed weight is a parameter)."""
-        w = self.weight_bf16
+        w = self.weight_bf16 if self.packed_bf16_weight is None else self.packed_bf16_weight
         return 0 if w is None else w.numel() * w.element_size()

@@ -22,7 +22,11 @@ Q4_1), the projections read about 60 MB. Invariants:
   of 32, integer dot products, the group offset times the exact activation sum), else
   through torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``, for out_features
   divisible by 16). Larger batches, other shapes and other devices multiply by a bfloat16
-  copy of the same dequantized weights, which is faster there. A CPU without a bfloat16
+  copy of the same dequantized weights, which is faster there; on a CPU where
+  ``model.linear.packed_bf16`` holds, that copy is packed for the kernel
+  ``packed_linear_bf16`` and serves from ``PACKED_SMALL_ROWS + 1`` rows (it multiplies 4
+  rows faster than the int4 kernel: the codes' unpacking and per-group scaling cost more
+  than reading 4x the bytes). A CPU without a bfloat16
   matmul unit (``cpu.matrix_unit() == "none"``, e.g. AVX2 only) keeps that copy in float32
   instead: its bfloat16 matmuls are emulated and 3-7x slower than float32 ones
   (docs/performance.md). The paths differ by float rounding only, so tokens can depend on the
@@ -36,10 +40,13 @@ import torch.nn.functional as F
 
 from pagedserve.config import QUANTIZATIONS
 from pagedserve.cpu import matrix_unit
-from pagedserve.model.linear import Linear
+from pagedserve.model.linear import Linear, pack_bf16_weight, packed_bf16
 
 GROUP_SIZE = 32
-SMALL_ROWS = 12  # measured crossover of the int4 kernel against bf16 F.linear (docs/performance.md)
+# the measured crossovers of the int4 kernel (docs/performance.md): against bf16 F.linear, and
+# against the packed bfloat16 kernel (where model.linear.packed_bf16)
+SMALL_ROWS = 12
+PACKED_SMALL_ROWS = 3
 
 
 def check_quantization(method: str) -> None:
@@ -69,6 +76,7 @@ class Int4Linear(Linear):
                              f"got a [{out_features}, {in_features}] weight")
         super().__init__(in_features, out_features)
         self.register_buffer("dense", None, persistent=False)
+        self.register_buffer("dense_packed", None, persistent=False)  # pack_bf16_weight(dense)
         self.packed = self.scales_and_zeros = None
         self.codes = self.scale_zero = None  # the CPU kernel's form (see finish_loading)
         self.dense_dtype = dense_dtype
@@ -99,7 +107,11 @@ class Int4Linear(Linear):
             dtype = torch.float32 if w.device.type == "cpu" and matrix_unit() == "none" \
                 else torch.bfloat16
         # bfloat16 values either way: float32 only holds them for float32 matmuls
-        self.dense = ((q - 8) * s + z).to(torch.bfloat16).to(dtype)
+        dense = ((q - 8) * s + z).to(torch.bfloat16).to(dtype)
+        if dtype == torch.bfloat16 and w.device.type == "cpu" and packed_bf16(self.ops):
+            self.dense_packed = pack_bf16_weight(dense)
+        else:
+            self.dense = dense
         if w.device.type == "cpu" and self.ops is not None:
             # int4_linear's form: per group of 32, channel i in byte i's low nibble and
             # 16 + i in its high one; (scale, zero) per row and group
@@ -113,7 +125,8 @@ class Int4Linear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows <= SMALL_ROWS and self.codes is not None:
+        small = SMALL_ROWS if self.dense_packed is None else PACKED_SMALL_ROWS
+        if rows <= small and self.codes is not None:
             # bfloat16 in and out: the engine's [T, in] bfloat16 activations go as they are
             # (at one row a step, each avoided view or conversion is a measurable share);
             # [batch, 1, in] (HF's decode) and float32 callers are reshaped and converted
@@ -123,6 +136,11 @@ class Int4Linear(Linear):
             y = self.ops.int4_linear(flat, self.codes, self.scale_zero)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         xb = x.to(torch.bfloat16)
+        if self.dense_packed is not None:
+            y = self.ops.packed_linear_bf16(xb.reshape(rows, self.in_features),
+                                            self.dense_packed, self.out_features,
+                                            torch.bfloat16)
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if rows <= SMALL_ROWS and self.packed is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xb.reshape(rows, self.in_features), self.packed, GROUP_SIZE,
@@ -134,11 +152,18 @@ class Int4Linear(Linear):
         # float32 reference model)
         return y.bfloat16().to(x.dtype)
 
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the copy holds it: [out, in] float32, bfloat16 values."""
+        if self.dense is not None:
+            return self.dense.float()
+        p = self.dense_packed  # [P, in / 2, PANEL, 2] (pack_bf16_weight)
+        return p.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].float()
+
     def nbytes(self) -> int:
         """Bytes held: the packed weights, scales and offsets, and the dequantized copy."""
         return sum(t.numel() * t.element_size()
                    for t in (self.packed, self.scales_and_zeros, self.codes, self.scale_zero,
-                             self.dense) if t is not None)
+                             self.dense, self.dense_packed) if t is not None)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
