@@ -429,6 +429,9 @@ def test_packed_linear_bf16_matches_a_float_product(ops, shape):
     expect = (x.double() @ w.double().t()).float()
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5 * k ** 0.5)
     assert torch.equal(ops.packed_linear_bf16(x, packed, n, torch.bfloat16), out.bfloat16())
+    buffer = torch.full((m * n + 5,), float("nan"))
+    into = ops.packed_linear_bf16(x, packed, n, torch.float32, buffer)  # the caller's buffer
+    assert torch.equal(into, out) and (m == 0 or into.data_ptr() == buffer.data_ptr())
     if m > 9:
         assert torch.equal(ops.packed_linear_bf16(x[5:9], packed, n, torch.float32), out[5:9])
         assert torch.equal(ops.packed_linear_bf16(x[m - 1:], packed, n, torch.float32), out[m - 1:])
@@ -445,8 +448,10 @@ def test_packed_linear_bf16_refuses_bad_shapes(ops):
         ops.packed_linear_bf16(torch.randn(2, 34).bfloat16(), packed, 100, torch.float32)
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
         ops.packed_linear_bf16(x.float(), packed, 100, torch.float32)
-    with pytest.raises(RuntimeError, match="out_dtype"):
+    with pytest.raises(RuntimeError, match="out_dtype must be"):
         ops.packed_linear_bf16(x, packed, 100, torch.float16)
+    with pytest.raises(RuntimeError, match="out_buffer"):
+        ops.packed_linear_bf16(x, packed, 100, torch.float32, torch.empty(199))
     with pytest.raises(ValueError, match="even number"):
         pack_bf16_weight(torch.randn(4, 33))
 

@@ -245,6 +245,7 @@ def test_int4_lm_head_takes_the_8_bit_copy_for_few_rows(monkeypatch, bf16_unit):
     for rows in (1, layers.HEAD_Q8_ROWS, layers.HEAD_Q8_ROWS + 1, SMALL_ROWS, 20):
         out = head(x[:rows])
         assert out.dtype == torch.float32 and ((out - x[:rows] @ w.t()).abs() <= bound[:rows]).all()
+        assert torch.equal(head(x[:rows], reuse=True), out)  # into the head's own buffer
         if rows <= layers.HEAD_Q8_ROWS or (not bf16_unit and rows <= SMALL_ROWS):
             assert torch.equal(out, ops.int8_linear(x[:rows], *head.q8))
         elif bf16_unit:

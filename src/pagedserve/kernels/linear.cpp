@@ -354,8 +354,8 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
 // (W[c, 2i], W[c, 2i + 1]) for its PANEL output columns c, so one 64-byte load gives 16
 // columns' pairs and one vdpbf16ps (AVX512-BF16) multiplies them by a row's broadcast pair,
 // accumulating in float32. The register tiling and the work split are packed_linear's. Unlike
-// a oneDNN bfloat16 matmul it never re-packs the weight per call, which for the 13-64 rows of
-// a batched decode step costs more than the multiply (docs/performance.md).
+// a oneDNN bfloat16 matmul it never re-packs the weight per call, which for the few dozen rows
+// of a batched decode step costs more than the multiply (docs/performance.md).
 
 // c [MR, cols] (row stride ldc) = a [MR, k] @ panel, in OutT (float, or bfloat16 rounded to
 // nearest even); pf as in linear_tile.
@@ -393,10 +393,11 @@ void bf16_tile(const uint16_t* a, const uint16_t* panel, int64_t k, OutT* c, int
 }
 
 // x [M, K] bfloat16 -> [M, N] of out_dtype (float32 or bfloat16) = x @ W.T, W bfloat16 packed
-// as [P, K / 2, PANEL, 2] with P = ceil(N / PANEL) (see above), float32 accumulation. A row's
-// result does not depend on the other rows.
+// as [P, K / 2, PANEL, 2] with P = ceil(N / PANEL) (see above), float32 accumulation; written
+// into out_buffer's first M * N elements when given (as packed_linear). A row's result does
+// not depend on the other rows.
 Tensor packed_linear_bf16(const Tensor& x, const Tensor& packed, int64_t n,
-                          at::ScalarType out_dtype) {
+                          at::ScalarType out_dtype, const std::optional<Tensor>& out_buffer) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0,
               "packed_linear_bf16: x must be bfloat16 [M, K] with K even");
   const int64_t k = x.size(1);
@@ -411,7 +412,12 @@ Tensor packed_linear_bf16(const Tensor& x, const Tensor& packed, int64_t n,
               "packed_linear_bf16: out_dtype must be float32 or bfloat16");
   Tensor xc = x.contiguous();
   const int64_t m = xc.size(0);
-  Tensor out = at::empty({m, n}, xc.options().dtype(out_dtype));
+  TORCH_CHECK(!out_buffer || (out_buffer->scalar_type() == out_dtype &&
+                              out_buffer->is_contiguous() && out_buffer->numel() >= m * n),
+              "packed_linear_bf16: out_buffer must be contiguous, of out_dtype, with at least "
+              "M * n elements");
+  Tensor out = out_buffer ? out_buffer->flatten().narrow(0, 0, m * n).view({m, n})
+                          : at::empty({m, n}, xc.options().dtype(out_dtype));
   if (m == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());

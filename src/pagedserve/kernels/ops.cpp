@@ -19,7 +19,8 @@ TORCH_LIBRARY(OPS_NAMESPACE, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scale_zero) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n, "
         "Tensor(a!)? out_buffer=None, bool gated=False) -> Tensor(a)");
-  m.def("packed_linear_bf16(Tensor x, Tensor packed, int n, ScalarType out_dtype) -> Tensor");
+  m.def("packed_linear_bf16(Tensor x, Tensor packed, int n, ScalarType out_dtype, "
+        "Tensor(a!)? out_buffer=None) -> Tensor(a)");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "ScalarType q_dtype) -> Tensor");

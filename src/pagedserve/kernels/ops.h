@@ -51,6 +51,6 @@ Tensor int4_linear(const Tensor& x, const Tensor& codes, const Tensor& scale_zer
 Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
                      int64_t n, const std::optional<Tensor>& out_buffer, bool gated);
 Tensor packed_linear_bf16(const Tensor& x, const Tensor& packed, int64_t n,
-                          at::ScalarType out_dtype);
+                          at::ScalarType out_dtype, const std::optional<Tensor>& out_buffer);
 
 }  // namespace OPS_NAMESPACE
