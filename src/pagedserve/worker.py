@@ -197,7 +197,7 @@ def build_rank0(args: EngineArgs, source: Any, device: torch.device, dtype: torc
         "model %s (%s, %d layers, %d/%d query/KV heads, head_dim %d): %.1f MB of %s weights%s "
         "on %s, loaded in %.1fs", source.path.name, cfg.architecture, cfg.num_hidden_layers,
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, weight_bytes / 1e6,
-        options.dtype, f" ({args.quantization} linear layers and their dequantized copies)"
+        options.dtype, f" (but the linear layers: {args.quantization}, with bfloat16 copies)"
         if args.quantization else
         " (+ bfloat16 copies for prompt tokens)" if net.kernels.prefill_bf16 else "",
         device, time.perf_counter() - t0)
