@@ -83,12 +83,12 @@ def projections(ops, rows: list[int], rounds: int) -> list[dict]:
     for _ in range(LAYERS):
         for k, n in SHAPES:
             q4 = Int4Linear.from_weight(torch.randn(n, k) * 0.05)  # plain: keeps .dense
-            dense = q4.dense  # bfloat16 values, as every bfloat16 path holds them
+            dense = q4.dense.bfloat16()  # (float32 where the CPU has no bfloat16 unit)
             layers.append({"n": n, "k": k, "dense": dense.contiguous(),
                            "bf16": pack_bf16_weight(dense.float()),
                            "f32": pack_linear_weight(dense.float())})
-    # the int4 kernel's form of the same weights (its own quantization of them: exact, since
-    # the copy's values are already on the 4-bit grid)
+    # the int4 kernel's form of the same weights (re-quantized: they are on a 4-bit grid
+    # already, so the codes hold the same values up to the scales' bfloat16 rounding)
     for lay in layers:
         q = Int4Linear.from_weight(lay["dense"].float(), ops=ops)
         lay["codes"], lay["scale_zero"] = q.codes, q.scale_zero
