@@ -194,6 +194,8 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     ("/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json"}}, 400,
      "response_format"),
     ("/v1/completions", {**OK_COMPLETION, "best_of": 3}, 400, "best_of"),
+    ("/v1/chat/completions", {**OK_CHAT, "stream_options": {"include_usage": True}}, 400,
+     "stream_options: only allowed with stream=true"),
     ("/v1/completions", {**OK_COMPLETION, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),

@@ -169,6 +169,8 @@ class _SamplingFields(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
         fields: dict[str, Any] = dict(
             n=self.n, seed=self.seed, max_tokens=max_tokens, logprobs=logprobs,
             stop=self.stop, stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
