@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 from pydantic import BaseModel, Field
@@ -49,15 +49,18 @@ class Weather(BaseModel):
     sky: Literal["sunny", "cloudy", "rainy", "snowy"]
 
 
+Name = Annotated[str, Field(max_length=30)]  # every string bounded: a sampled one ends
+
+
 class Event(BaseModel):
     title: str = Field(max_length=40)
-    attendees: list[str] = Field(max_length=4)
+    attendees: list[Name] = Field(max_length=4)
     priority: Literal["low", "medium", "high"]
 
 
 class Review(BaseModel):
     rating: int = Field(ge=1, le=5)
-    pros: list[str] = Field(max_length=3)
+    pros: list[Name] = Field(max_length=3)
     recommend: bool
 
 
