@@ -130,5 +130,6 @@ def main() -> None:
             server.stop()
     summarize(rows, {"itl_req_p99": "ITL p99"})
 
+
 if __name__ == "__main__":
     main()

@@ -372,25 +372,6 @@ void weighted_tile(const float* p, int64_t lds, const float* v, int64_t dp, int6
   }
 }
 
-// Calls f(std::integral_constant<int, N>{}) for 1 <= n <= 12.
-template <typename F>
-void dispatch_rows(int64_t n, F&& f) {
-  switch (n) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 9: return f(std::integral_constant<int, 9>{});
-    case 10: return f(std::integral_constant<int, 10>{});
-    case 11: return f(std::integral_constant<int, 11>{});
-    default: return f(std::integral_constant<int, 12>{});
-  }
-}
-
 // The prefill attention of paged_prefill_attention below over raw pointers, arguments
 // already checked: q/out [T, heads, d] with request b's query_lens[b] rows at positions
 // seq_lens[b] - query_lens[b] ...; the caches, tables and window as the decode kernel's.
@@ -482,7 +463,7 @@ void paged_prefill_attention_rows(const Q* q, const C* k_cache, const C* v_cache
           hi[n] = pos0 + r + 1 - ks;
         }
       for (int64_t n0 = 0; n0 < n_q; n0 += 12)
-        dispatch_rows(std::min<int64_t>(12, n_q - n0), [&](auto n_tag) {
+        dispatch_rows<12>(n_q - n0, [&](auto n_tag) {
           score_tile<decltype(n_tag)::value>(qf.data() + n0 * d, d, kt + (ks - base[b]),
                                              ldk[b], nk, s.data() + n0 * max_ldk, max_ldk);
         });
@@ -497,7 +478,7 @@ void paged_prefill_attention_rows(const Q* q, const C* k_cache, const C* v_cache
       std::fill(acc.begin(), acc.begin() + n_q * dp, 0.f);
       const int64_t used = key_end - ks;
       for (int64_t n0 = 0; n0 < n_q; n0 += 6)
-        dispatch_rows(std::min<int64_t>(6, n_q - n0), [&](auto n_tag) {
+        dispatch_rows<6>(n_q - n0, [&](auto n_tag) {
           weighted_tile<decltype(n_tag)::value>(s.data() + n0 * max_ldk, max_ldk,
                                                 vg + (ks - base[b]) * dp, dp, used,
                                                 acc.data() + n0 * dp);

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace OPS_NAMESPACE {
@@ -93,6 +94,17 @@ inline float fast_exp(float x) {
 
 // SwiGLU's product for one column: silu(g) * u (silu_and_mul and the gated GEMM's epilogue).
 inline float silu_times(float g, float u) { return g / (1.f + fast_exp(-g)) * u; }
+
+// Calls f(std::integral_constant<int, n>{}) for 1 <= n <= MAX (n clamped into that range): a
+// tile's row count as a template argument, so that its accumulators are a fixed set of
+// registers. One comparison per smaller count: a tile's work dwarfs the chain.
+template <int MAX, typename F>
+inline void dispatch_rows(int64_t n, F&& f) {
+  if constexpr (MAX > 1) {
+    if (n < MAX) return dispatch_rows<MAX - 1>(n, std::forward<F>(f));
+  }
+  return f(std::integral_constant<int, MAX>{});
+}
 
 // Calls f(T{}) with T the C++ type of dtype: float32 or bfloat16, the dtypes the model's
 // float32 path and its int4 linear layers produce.

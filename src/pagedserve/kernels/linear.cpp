@@ -272,23 +272,6 @@ inline void for_each_panel_tile(int64_t m, int64_t row_bytes, const char* packed
   });
 }
 
-// Calls f(std::integral_constant<int, rows>) for rows in 1 .. TILE_ROWS: a tile's row count
-// as a template argument, so that its accumulators are a fixed set of registers.
-template <typename F>
-inline void with_tile_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    default: return f(std::integral_constant<int, 1>{});
-  }
-}
-static_assert(TILE_ROWS == 8, "with_tile_rows covers 1 .. 8 rows");
-
 // out [m, n] = x [m, k] @ W.T (+ bias [n]), W packed as [P, k, PANEL] panels (see above); or,
 // gated, out [m, n] = silu(x @ gate.T) * (x @ up.T) with HALF_PANEL gate columns and their up
 // columns per panel.
@@ -304,7 +287,7 @@ inline void packed_linear_rows(const float* x, const float* packed, const float*
     const float* a = x + r0 * k;
     float* c = out + r0 * n + p * per_panel;
     const float* b = bias ? bias + p * PANEL : nullptr;
-    with_tile_rows(rows, [&](auto mr) {
+    dispatch_rows<TILE_ROWS>(rows, [&](auto mr) {
       if (gated)
         linear_tile<decltype(mr)::value, true>(a, panel, k, c, n, cols, b, pf, pf_lines);
       else
@@ -427,7 +410,7 @@ Tensor packed_linear_bf16(const Tensor& x, const Tensor& packed, int64_t n,
                         panel_size * 2,
                         [&](int64_t r0, int64_t rows, int64_t p, const char* pf, int64_t pf_lines) {
       const int cols = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
-      with_tile_rows(rows, [&](auto mr) {
+      dispatch_rows<TILE_ROWS>(rows, [&](auto mr) {
         bf16_tile<decltype(mr)::value>(xp + r0 * k, wp + p * panel_size, k, o + r0 * n + p * PANEL,
                                        n, cols, pf, pf_lines);
       });

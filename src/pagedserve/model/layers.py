@@ -242,10 +242,10 @@ class LMHead(nn.Module):
         tensor costs page faults every step); the result is then valid only until the next
         call with ``reuse``."""
         rows = hidden.shape[0]
-        bf16 = self.packed_bf16 is not None and rows > HEAD_Q8_ROWS
-        if self.q8 is not None and rows <= quant.SMALL_ROWS and not bf16:
+        q8_rows = quant.SMALL_ROWS if self.packed_bf16 is None else HEAD_Q8_ROWS
+        if self.q8 is not None and rows <= q8_rows:
             return self.ops.int8_linear(hidden.float(), *self.q8)
-        if self.packed is None and not bf16:
+        if self.packed is None and self.packed_bf16 is None:
             return F.linear(hidden, self.float_weight).float()
         buffer = None
         if reuse:
@@ -253,7 +253,7 @@ class LMHead(nn.Module):
             if self._buffer is None or self._buffer.numel() < size:
                 self._buffer = hidden.new_empty(size, dtype=torch.float32)
             buffer = self._buffer
-        if bf16:
+        if self.packed_bf16 is not None:  # built only beside q8, which took the few rows
             return self.ops.packed_linear_bf16(hidden.bfloat16(), self.packed_bf16,
                                                self.num_rows, torch.float32, buffer)
         return self.ops.packed_linear(hidden.float(), self.packed, None, self.num_rows, buffer)

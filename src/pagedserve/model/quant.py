@@ -139,9 +139,8 @@ class Int4Linear(Linear):
         if self.dense_packed is not None:
             y = self.ops.packed_linear_bf16(xb.reshape(rows, self.in_features),
                                             self.dense_packed, self.out_features,
-                                            torch.bfloat16)
-            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        if rows <= SMALL_ROWS and self.packed is not None:
+                                            torch.bfloat16).view(*x.shape[:-1], self.out_features)
+        elif rows <= SMALL_ROWS and self.packed is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xb.reshape(rows, self.in_features), self.packed, GROUP_SIZE,
                 self.scales_and_zeros).view(*x.shape[:-1], self.out_features)
